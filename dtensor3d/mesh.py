@@ -1,0 +1,106 @@
+"""The 5-D device mesh: (ep, pp, dp, cp, tp) in nanotron's order, tp varying fastest.
+
+`rank_groups` is the pure rank table (no process group), used by `plan` and by tests;
+`build_mesh` builds the real DeviceMesh with the same layout; `ParallelContext` is a
+nanotron-shaped view over it for users moving scripts across.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+AXES = ("ep", "pp", "dp", "cp", "tp")
+# Flattened views: name -> the axes it joins (in mesh order).
+FLAT_VIEWS = {"dp_cp": ("dp", "cp"), "ep_dp_cp": ("ep", "dp", "cp")}
+
+
+def rank_grid(dims: dict[str, int]) -> np.ndarray:
+    """arange(world).reshape(ep, pp, dp, cp, tp): the rank at every mesh coordinate."""
+    return np.arange(math.prod(dims[a] for a in AXES)).reshape([dims[a] for a in AXES])
+
+
+def rank_groups(dims: dict[str, int]) -> dict[str, list[list[int]]]:
+    """Rank lists of every group (each axis and each flattened view), without a process group."""
+    grid = rank_grid(dims)
+    groups = {}
+    for name, axes in [(a, (a,)) for a in AXES] + list(FLAT_VIEWS.items()):
+        keep = [AXES.index(a) for a in axes]
+        rest = [i for i in range(len(AXES)) if i not in keep]
+        size = math.prod(dims[a] for a in axes)
+        groups[name] = np.transpose(grid, rest + keep).reshape(-1, size).tolist()
+    return groups
+
+
+def rank_coords(dims: dict[str, int]) -> list[dict[str, int]]:
+    """rank -> {axis: coordinate}."""
+    grid = rank_grid(dims)
+    return [dict(zip(AXES, map(int, np.argwhere(grid == r)[0]))) for r in range(grid.size)]
+
+
+def build_mesh(parallelism, device_type: str):
+    """A DeviceMesh named ("ep", "pp", "dp", "cp", "tp") plus the flattened views in FLAT_VIEWS.
+
+    `parallelism` is a ParallelismConfig (anything with a `dims` dict). The default process
+    group must exist (torchrun + init_process_group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = parallelism.dims
+    mesh = init_device_mesh(device_type, tuple(dims[a] for a in AXES), mesh_dim_names=AXES)
+    for name, axes in FLAT_VIEWS.items():
+        mesh[axes]._flatten(name)
+    return mesh
+
+
+class ParallelContext:
+    """nanotron's ParallelContext, backed by a DeviceMesh.
+
+    Exposes `tp_pg`, `pp_pg`, `dp_pg`, `cp_pg`, `ep_pg`, `dp_cp_pg` (ProcessGroups) and
+    `world_ranks(axis)` / `<axis>_ranks` (the world ranks of this rank's group)."""
+
+    def __init__(self, tensor_parallel_size: int, pipeline_parallel_size: int,
+                 data_parallel_size: int, context_parallel_size: int = 1,
+                 expert_parallel_size: int = 1, backend: str | None = None):
+        import torch
+        import torch.distributed as dist
+
+        from .recipe import ParallelismConfig, RecipeError
+
+        p = ParallelismConfig(dp=data_parallel_size, tp=tensor_parallel_size,
+                              pp=pipeline_parallel_size, cp=context_parallel_size,
+                              ep=expert_parallel_size)
+        if not dist.is_initialized():
+            if backend is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                import os
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend)
+        world = dist.get_world_size()
+        if p.world_size != world:
+            raise RecipeError(f"ParallelContext: ep*pp*dp*cp*tp = {p.world_size} but the world size is {world}")
+        self.parallelism = p
+        self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.mesh = build_mesh(p, self.device_type)
+        self.world_pg = dist.group.WORLD
+        for name in list(AXES) + list(FLAT_VIEWS):
+            setattr(self, f"{name}_pg", self.mesh[name].get_group())
+            setattr(self, f"{name}_ranks", dist.get_process_group_ranks(getattr(self, f"{name}_pg")))
+        coords = self.mesh.get_coordinate()
+        self.coords = dict(zip(AXES, coords))
+        self.tensor_parallel_size, self.pipeline_parallel_size = p.tp, p.pp
+        self.data_parallel_size, self.context_parallel_size = p.dp, p.cp
+        self.expert_parallel_size = p.ep
+        self.world_rank_matrix = rank_grid(p.dims)
+
+    def world_ranks(self, axis: str) -> list[int]:
+        return getattr(self, f"{axis}_ranks")
+
+    def get_global_rank(self, ep_rank: int, pp_rank: int, dp_rank: int, cp_rank: int, tp_rank: int) -> int:
+        return int(self.world_rank_matrix[ep_rank, pp_rank, dp_rank, cp_rank, tp_rank])
+
+    def destroy(self) -> None:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()

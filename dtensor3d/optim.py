@@ -1,0 +1,72 @@
+"""AdamW, the learning-rate schedule and gradient clipping on the global norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .parallel.data import local
+
+
+def lr_at(step: int, opt, total_steps: int) -> float:
+    """Linear warmup to `lr`, then cosine / linear / constant decay to `min_lr`."""
+    if step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if opt.decay == "constant":
+        return opt.lr
+    span = max(1, total_steps - opt.warmup_steps)
+    frac = min(1.0, (step - opt.warmup_steps) / span)
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if opt.decay == "cosine" else 1 - frac
+    return opt.min_lr + (opt.lr - opt.min_lr) * shape
+
+
+def _mesh_key(p: torch.Tensor) -> tuple:
+    """Parameters on different meshes must not share a foreach kernel (one per group)."""
+    if hasattr(p, "device_mesh"):
+        return (p.device_mesh.mesh_dim_names, tuple(str(pl) for pl in p.placements))
+    return ()
+
+
+def build_optimizer(model_parts: list[nn.Module], opt) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only, one param group per (decay, mesh)."""
+    groups: dict[tuple, list] = {}
+    for part in model_parts:
+        for p in part.parameters():
+            if p.requires_grad:
+                groups.setdefault((p.ndim >= 2, _mesh_key(p)), []).append(p)
+    param_groups = [{"params": ps, "weight_decay": opt.weight_decay if decay else 0.0}
+                    for (decay, _), ps in groups.items()]
+    return torch.optim.AdamW(param_groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+
+
+def replication(p: torch.Tensor, world_size: int, pp: int) -> int:
+    """How many ranks hold an identical copy of this parameter's local piece."""
+    distinct = pp  # stages hold different parameters
+    if hasattr(p, "device_mesh"):
+        for size, placement in zip(p.device_mesh.shape, p.placements):
+            if placement.is_shard():
+                distinct *= size
+    return world_size // distinct
+
+
+def grad_sq_partial(params: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm: a world-sum of these is the
+    squared norm of the full gradient (each copy weighted by 1 / its replication)."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    w = [wt for p, wt in zip(params, weights) if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm([g.float() for g in grads])
+    return sum(n.square() * wt for n, wt in zip(norms, w))
+
+
+def clip_(params: list[torch.Tensor], total_norm: float, max_norm: float) -> None:
+    """Scale gradients so their global norm is at most max_norm (torch's formula)."""
+    if max_norm <= 0:
+        return
+    coef = min(1.0, max_norm / (total_norm + 1e-6))
+    if coef < 1.0:
+        torch._foreach_mul_([local(p.grad) for p in params if p.grad is not None], coef)

@@ -1,0 +1,48 @@
+"""Data parallelism over the flattened dp x cp mesh: FSDP2 (`shard`) or all-reduce (`replicate`).
+
+The loss of every rank is already normalised by the token count of the whole global batch,
+so gradients are *summed* over the data-parallel ranks, never averaged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True,
+               param_dtype: torch.dtype | None = None) -> nn.Module:
+    """fully_shard each decoder block, then the root (embedding, final norm, head)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def allreduce_grads(params: list[nn.Parameter], group) -> None:
+    """DDP-style gradient sum over `group`, one coalesced buffer per dtype."""
+    if dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = local(p.grad)
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,38 @@
+"""Pipeline parallelism: split the model into stages and drive them with PyTorch's schedules.
+
+Stage i holds a contiguous run of decoder blocks; the first stage also holds the embedding
+and the last the final norm, the head and the loss. Layers are balanced by count unless
+`parallelism.pp_layers` lists them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+SCHEDULES = {"1f1b": Schedule1F1B, "afab": ScheduleGPipe}
+
+
+def stage_layers(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None = None) -> list[range]:
+    """The global layer indices of each stage; earlier stages take the remainder."""
+    counts = list(pp_layers) if pp_layers else [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
+    starts = [sum(counts[:i]) for i in range(pp)]
+    return [range(s, s + c) for s, c in zip(starts, counts)]
+
+
+def split_stage(model: nn.Module, stage: int, parallelism, num_layers: int) -> nn.Module:
+    """Reduce a whole (meta-device) model to pipeline stage `stage`, in place."""
+    layers = stage_layers(num_layers, parallelism.pp, parallelism.pp_layers)[stage]
+    return model.keep_only(layers, first=stage == 0, last=stage == parallelism.pp - 1)
+
+
+def build_schedule(stage_module: nn.Module, stage: int, pp_mesh, device: torch.device,
+                   parallelism, n_microbatches: int, loss_fn):
+    """A PipelineStage for this rank and the schedule named by `pp_engine`.
+
+    Gradients are not rescaled by the microbatch count: `loss_fn` already divides by the
+    token count of the whole global batch."""
+    pipeline_stage = PipelineStage(stage_module, stage, parallelism.pp, device, group=pp_mesh.get_group())
+    schedule_cls = SCHEDULES[parallelism.pp_engine]
+    return schedule_cls(pipeline_stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -1,0 +1,74 @@
+"""Tensor parallelism as data: a table from module path to a DTensor ParallelStyle.
+
+`tp_plan(recipe)` returns the tables; `apply_tp` hands them to PyTorch's
+`parallelize_module`. Under ALL_REDUCE the residual stream is replicated over tp and each
+block ends in an all-reduce; under REDUCE_SCATTER (sequence parallelism) the residual
+stream and the norms are sharded on the sequence and each block gathers its input and
+reduce-scatters its output. The head is column-parallel and its logits stay sharded on the
+vocabulary for `loss_parallel` cross-entropy.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
+    """(plan for the model's outer modules, plan for each decoder layer)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    outer = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    layer = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        outer["model.norm"] = SequenceParallel()
+        layer.update({
+            "input_layernorm": SequenceParallel(),
+            "post_attention_layernorm": SequenceParallel(),
+            # The block's input arrives sharded on the sequence; gather it before q/k/v.
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return outer, layer
+
+
+def apply_tp(model: nn.Module, tp_mesh, parallelism) -> nn.Module:
+    """Shard `model` (a whole model or one pipeline stage) over the tp mesh axis."""
+    if parallelism.tp_linear_async_communication and tp_mesh.device_type == "cpu":
+        warnings.warn("tp_linear_async_communication has no effect on CPU; running synchronously",
+                      stacklevel=2)
+    outer, layer = tp_plan(parallelism.tp_mode == "REDUCE_SCATTER")
+    present = {path: style for path, style in outer.items() if _has_module(model, path)}
+    parallelize_module(model, tp_mesh, present)
+    for block in model.model.layers.values():
+        parallelize_module(block, tp_mesh, layer)
+    return model
+
+
+def _has_module(model: nn.Module, path: str) -> bool:
+    """False for the parts a pipeline stage dropped (set to None)."""
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False

@@ -1,0 +1,380 @@
+"""Recipes: YAML -> frozen dataclasses, checked before any process group starts.
+
+A recipe has seven sections. Every check that can be made from the recipe and the world
+size lives here, as pure functions that raise `RecipeError` with one line naming the key,
+the bad value and what would be valid. This module must not import torch: `launch.sh`
+validates with it before torchrun starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A wrong recipe or argument; `str(err)` is the one line the user sees."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    num_local_experts: int = 0  # 0: dense feed-forward (no experts)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class ParallelismConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp_engine: str = "1f1b"
+    pp_layers: tuple[int, ...] | None = None
+    tp_mode: str = "ALL_REDUCE"
+    tp_linear_async_communication: bool = False
+    recompute_layer: bool = False
+    dp_mode: str = "shard"
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """Mesh axis sizes in nanotron's order: ep, pp, dp, cp, tp (tp fastest)."""
+        return {"ep": self.ep, "pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.dims.values())
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 10
+    seed: int = 42
+    sequence_length: int = 64
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    dtype: str = "float32"
+    device: str = "auto"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay: str = "cosine"
+    min_lr: float = 0.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = "synthetic"
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    interval: int = 0  # 0: save only at the end (when dir is set)
+    resume: str = "auto"
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    every: int = 1
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def num_microbatches(self) -> int:
+        p, t = self.parallelism, self.training
+        return t.global_batch_size // (t.micro_batch_size * p.dp * p.ep)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for section in out.values():
+            for key, value in section.items():
+                if isinstance(value, tuple):
+                    section[key] = list(value)
+        return out
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
+_SECTION_CLASSES = {
+    "model": ModelConfig, "parallelism": ParallelismConfig, "training": TrainingConfig,
+    "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+# nanotron's long names for the short ones we keep.
+ALIASES = {("parallelism", "context_parallel_size"): "cp",
+           ("parallelism", "expert_parallel_size"): "ep"}
+ENUMS = {
+    ("parallelism", "pp_engine"): ("1f1b", "afab"),
+    ("parallelism", "tp_mode"): ("ALL_REDUCE", "REDUCE_SCATTER"),
+    ("parallelism", "dp_mode"): ("shard", "replicate"),
+    ("training", "dtype"): ("float32", "bfloat16"),
+    ("training", "device"): ("auto", "cpu", "cuda"),
+    ("optimizer", "decay"): ("cosine", "linear", "constant"),
+    ("data", "kind"): ("synthetic", "tokens"),
+}
+POSITIVE = {
+    "model": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "max_position_embeddings"),
+    "parallelism": ("dp", "tp", "pp", "cp", "ep"),
+    "training": ("steps", "sequence_length", "global_batch_size", "micro_batch_size"),
+    "checkpoint": ("keep",),
+    "logging": ("every",),
+}
+
+
+def _fail(msg: str) -> RecipeError:
+    return RecipeError(msg)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _coerce(where: str, value: Any, annotation: str) -> Any:
+    """Check one value against its field's annotation; return it in canonical form."""
+    ann = annotation.replace(" ", "")
+    optional = ann.endswith("|None")
+    ann = ann.removesuffix("|None")
+    if value is None and optional:
+        return None
+    if ann == "int" and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if ann == "float" and not isinstance(value, bool):
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    if ann == "bool" and isinstance(value, bool):
+        return value
+    if ann == "str" and isinstance(value, str):
+        return value
+    if ann == "tuple[float,float]" and isinstance(value, (list, tuple)) and len(value) == 2:
+        return tuple(_coerce(where, v, "float") for v in value)
+    if ann == "tuple[int,...]" and isinstance(value, (list, tuple)):
+        return tuple(_coerce(where, v, "int") for v in value)
+    expected = {"tuple[float,float]": "a list of two numbers", "tuple[int,...]": "a list of integers"}
+    want = expected.get(ann, ann) + (" or null" if optional else "")
+    raise _fail(f"{where}={value!r} has type {_type_name(value)}; expected {want}")
+
+
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{hint}valid: {', '.join(valid)}"
+
+
+def _build_section(name: str, raw: Any) -> Any:
+    cls = _SECTION_CLASSES[name]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise _fail(f"{name}={raw!r} must be a mapping of keys to values")
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    valid = sorted(list(types) + [alias for (s, alias) in ALIASES if s == name])
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        key = str(key)
+        canon = ALIASES.get((name, key), key)
+        if canon not in types:
+            raise _fail(f"{name}.{key}: unknown key; {_suggest(key, valid)}")
+        where = f"{name}.{key}"
+        value = _coerce(where, value, types[canon])
+        if (name, canon) in ENUMS:
+            choices = ENUMS[(name, canon)]
+            match = [c for c in choices if c.lower() == value.lower()]
+            if not match:
+                raise _fail(f"{where}={value!r} is not a valid choice; valid: {', '.join(choices)}")
+            value = match[0]
+        if canon in values and values[canon] != value:
+            raise _fail(f"{where}={value!r} conflicts with {name}.{canon}={values[canon]!r} "
+                        f"(aliases of one setting); give one of them")
+        values[canon] = value
+    return cls(**values)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'parallelism.tp=4' -> (['parallelism', 'tp'], 4); the value is read as a YAML scalar."""
+    if "=" not in text:
+        raise _fail(f"override {text!r} has no '='; expected key.path=value, e.g. parallelism.tp=2")
+    path, _, raw = text.partition("=")
+    keys = path.strip().split(".")
+    if len(keys) != 2 or not all(keys):
+        raise _fail(f"override {text!r}: key {path!r} must be section.key, e.g. training.steps=20")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise _fail(f"override {text!r}: value {raw!r} is not a YAML scalar") from None
+    return keys, value
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise _fail(f"recipe {path!r}: no such file; pass the path of a YAML recipe, e.g. recipes/3d.yaml")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise _fail(f"recipe {path!r}{line}: YAML syntax error: {problem}") from None
+    if raw is None:
+        raise _fail(f"recipe {path!r} is empty; expected sections {', '.join(SECTIONS)}")
+    if not isinstance(raw, dict):
+        raise _fail(f"recipe {path!r} must be a mapping of sections ({', '.join(SECTIONS)}), "
+                    f"not {_type_name(raw)}")
+    return raw
+
+
+def recipe_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    raw = {str(k): v for k, v in raw.items()}
+    for section in raw:
+        if section not in SECTIONS:
+            raise _fail(f"{section}: unknown section; {_suggest(section, list(SECTIONS))}")
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        if section not in SECTIONS:
+            raise _fail(f"override {text!r}: unknown section {section!r}; {_suggest(section, list(SECTIONS))}")
+        body = raw.get(section)
+        body = dict(body) if isinstance(body, dict) else {}
+        # An override of an alias replaces whichever spelling the file used.
+        canon = ALIASES.get((section, key), key)
+        for (s, alias), target in ALIASES.items():
+            if s == section and target == canon:
+                body.pop(alias, None)
+        body.pop(canon, None)
+        body[key] = value
+        raw[section] = body
+    return Recipe(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
+
+
+def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (),
+                world_size: int | None = None) -> Recipe:
+    """Read, override and validate a recipe. Raises RecipeError with one line."""
+    recipe = recipe_from_dict(_read_yaml(path), overrides)
+    validate(recipe, world_size)
+    return recipe
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def validate(recipe: Recipe, world_size: int | None = None) -> None:
+    """Every cross-field check that needs only the recipe and the world size."""
+    m, p, t, o = recipe.model, recipe.parallelism, recipe.training, recipe.optimizer
+    for section, keys in POSITIVE.items():
+        for key in keys:
+            value = getattr(getattr(recipe, section), key)
+            if value <= 0:
+                raise _fail(f"{section}.{key}={value} must be a positive integer")
+    if world_size is not None and p.world_size != world_size:
+        sizes = "*".join(f"{v}" for v in p.dims.values())
+        raise _fail(f"parallelism: ep*pp*dp*cp*tp = {sizes} = {p.world_size} but the world size is "
+                    f"{world_size}; choose sizes whose product is {world_size}")
+    if m.num_attention_heads % p.tp:
+        raise _fail(f"parallelism.tp={p.tp}: model.num_attention_heads={m.num_attention_heads} is not "
+                    f"divisible by tp; valid tp: {_divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))}")
+    if m.num_key_value_heads % p.tp:
+        raise _fail(f"parallelism.tp={p.tp}: model.num_key_value_heads={m.num_key_value_heads} is not "
+                    f"divisible by tp; valid tp: {_divisors(m.num_key_value_heads)}")
+    if m.hidden_size % m.num_attention_heads:
+        raise _fail(f"model.hidden_size={m.hidden_size} is not divisible by num_attention_heads="
+                    f"{m.num_attention_heads}; choose a multiple of {m.num_attention_heads}")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise _fail(f"model.num_key_value_heads={m.num_key_value_heads} does not divide num_attention_heads="
+                    f"{m.num_attention_heads}; valid: {_divisors(m.num_attention_heads)}")
+    if m.head_dim % 2:
+        raise _fail(f"model.hidden_size={m.hidden_size}: head dim {m.head_dim} must be even for RoPE")
+    if m.intermediate_size % p.tp:
+        raise _fail(f"parallelism.tp={p.tp}: model.intermediate_size={m.intermediate_size} is not divisible by tp")
+    if m.vocab_size % p.tp:
+        raise _fail(f"parallelism.tp={p.tp}: model.vocab_size={m.vocab_size} is not divisible by tp; "
+                    f"pad the vocabulary to a multiple of {p.tp}")
+    if m.num_hidden_layers < p.pp:
+        raise _fail(f"parallelism.pp={p.pp}: model.num_hidden_layers={m.num_hidden_layers} is fewer than "
+                    f"the pipeline stages; valid pp: 1..{m.num_hidden_layers}")
+    if p.pp_layers is not None:
+        if len(p.pp_layers) != p.pp or sum(p.pp_layers) != m.num_hidden_layers or min(p.pp_layers) < 1:
+            raise _fail(f"parallelism.pp_layers={list(p.pp_layers)} must be {p.pp} positive layer counts "
+                        f"summing to num_hidden_layers={m.num_hidden_layers}")
+    if m.tie_word_embeddings and p.pp > 1:
+        raise _fail(f"model.tie_word_embeddings=true with parallelism.pp={p.pp}: the embedding and the head "
+                    f"live on different stages; use tie_word_embeddings: false or pp: 1")
+    if p.ep > 1 and m.num_local_experts == 0:
+        raise _fail(f"parallelism.ep={p.ep}: the model has no experts (model.num_local_experts=0); "
+                    f"valid ep: 1")
+    if p.ep > 1 and m.num_local_experts % p.ep:
+        raise _fail(f"parallelism.ep={p.ep}: model.num_local_experts={m.num_local_experts} is not "
+                    f"divisible by ep; valid ep: {_divisors(m.num_local_experts)}")
+    per_step = t.micro_batch_size * p.dp * p.ep
+    if t.global_batch_size % per_step:
+        raise _fail(f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                    f"micro_batch_size*dp*ep = {t.micro_batch_size}*{p.dp}*{p.ep} = {per_step}; "
+                    f"use a multiple of {per_step}")
+    if p.pp > 1 and p.pp_engine == "1f1b" and recipe.num_microbatches < p.pp:
+        raise _fail(f"training.global_batch_size={t.global_batch_size} gives {recipe.num_microbatches} "
+                    f"microbatches, fewer than pp={p.pp} under pp_engine 1f1b; use global_batch_size >= "
+                    f"{p.pp * per_step}")
+    if p.cp > 1 and t.sequence_length % (2 * p.cp):
+        raise _fail(f"training.sequence_length={t.sequence_length} is not divisible by 2*cp = {2 * p.cp}; "
+                    f"use a multiple of {2 * p.cp}")
+    if p.tp_mode == "REDUCE_SCATTER" and t.sequence_length % (p.tp * p.cp):
+        raise _fail(f"training.sequence_length={t.sequence_length} is not divisible by tp*cp = "
+                    f"{p.tp * p.cp} under tp_mode REDUCE_SCATTER; use a multiple of {p.tp * p.cp}")
+    if t.sequence_length > m.max_position_embeddings:
+        raise _fail(f"training.sequence_length={t.sequence_length} exceeds model.max_position_embeddings="
+                    f"{m.max_position_embeddings}")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise _fail(f"optimizer.lr={o.lr}, min_lr={o.min_lr}: need lr > 0 and 0 <= min_lr <= lr")
+    if o.warmup_steps < 0 or o.clip_grad < 0 or o.weight_decay < 0 or o.eps <= 0:
+        raise _fail("optimizer: warmup_steps, clip_grad and weight_decay must be >= 0 and eps > 0 "
+                    f"(got {o.warmup_steps}, {o.clip_grad}, {o.weight_decay}, {o.eps})")
+    if not all(0.0 <= b < 1.0 for b in o.betas):
+        raise _fail(f"optimizer.betas={list(o.betas)}: each beta must be in [0, 1)")
+    if recipe.data.kind == "tokens" and not recipe.data.path:
+        raise _fail("data.path is required with data.kind 'tokens'; give the path of a token file")
+    if recipe.checkpoint.interval < 0:
+        raise _fail(f"checkpoint.interval={recipe.checkpoint.interval} must be >= 0 (0: only at the end)")

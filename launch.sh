@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# bash launch.sh RECIPE [key.path=value ...]
+# Checks the recipe (exit 2 and one `error:` line if it is wrong, before anything starts),
+# takes the process count from it, and runs torchrun. Multi-node: set NNODES, NODE_RANK,
+# MASTER_ADDR, MASTER_PORT on every node (defaults: one node, localhost, a free port).
+set -euo pipefail
+PYTHON=${PYTHON:-python}
+if [ $# -lt 1 ]; then
+  echo "error: no recipe given; usage: bash launch.sh RECIPE [key.path=value ...], e.g. recipes/3d.yaml" >&2
+  exit 2
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+nproc=$("$PYTHON" -m dtensor3d validate "$@" --nnodes "$NNODES") || exit $?
+if [ -z "${MASTER_PORT:-}" ]; then
+  MASTER_PORT=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
+exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+  --nproc_per_node="$nproc" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
+  -m dtensor3d train "$@"
