@@ -183,11 +183,20 @@ def _forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Te
     return total
 
 
+def _match_grad_placements(params: list[nn.Parameter]) -> None:
+    """Give each DTensor gradient its parameter's placements. (A vocab-parallel embedding's
+    gradient comes back replicated over tp; slicing it is local, no communication.)"""
+    for q in params:
+        if isinstance(q.grad, DTensor) and q.grad.placements != q.placements:
+            q.grad = q.grad.redistribute(q.device_mesh, q.placements)
+
+
 def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
     """One optimizer step over one global batch; returns loss, grad_norm and lr."""
     recipe, p = state.recipe, state.recipe.parallelism
     state.optimizer.zero_grad(set_to_none=True)
     loss_sum = _forward_backward(state, *batch)
+    _match_grad_placements(state.params)
     if p.dp_mode == "replicate":
         allreduce_grads(state.params, state.mesh["dp_cp"].get_group())
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks) and the
@@ -223,7 +232,7 @@ def train(recipe) -> list[dict]:
     fpt, peak = flops_per_token(recipe.model, t.sequence_length), peak_flops(state.device)
     if rank == 0:
         print(f"dtensor3d: world {dist.get_world_size()} {recipe.parallelism.dims} on {state.device.type}, "
-              f"{sum(q.numel() for q in state.model.parameters())} local params on rank 0, {t.steps} steps",
+              f"{sum(local(q).numel() for q in state.model.parameters())} local params on rank 0, {t.steps} steps",
               flush=True)
     try:
         while state.step < t.steps:

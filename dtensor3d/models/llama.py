@@ -56,6 +56,7 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
+        self.rope_theta = cfg.rope_theta
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
@@ -63,10 +64,13 @@ class Attention(nn.Module):
         # The attention kernel; context parallelism swaps it for its own.
         self.attention_fn = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         q, k, v = (rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if positions is None:  # the whole sequence (it may have been gathered from tp ranks)
+            positions = torch.arange(q.shape[2], device=q.device)
+        cos, sin = rope_tables(self.head_dim, positions, self.rope_theta)
+        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         out = self.attention_fn(q, k, v)
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
@@ -94,13 +98,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, positions, use_reentrant=False)
+        return self._forward(x, positions)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -119,13 +123,8 @@ class LlamaModel(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)
-        seq = h.shape[1]
-        positions = self.positions
-        if positions is None:
-            positions = torch.arange(seq, device=h.device)
-        cos, sin = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_theta)
         for layer in self.layers.values():
-            h = layer(h, cos.to(h.dtype), sin.to(h.dtype))
+            h = layer(h, self.positions)
         if self.norm is not None:
             h = self.norm(h)
         return h

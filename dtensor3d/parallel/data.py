@@ -22,6 +22,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True,
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
 
 

@@ -45,8 +45,8 @@ def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
             "input_layernorm": SequenceParallel(),
             "post_attention_layernorm": SequenceParallel(),
             # The block's input arrives sharded on the sequence; gather it before q/k/v.
-            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return outer, layer
