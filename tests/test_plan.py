@@ -1,0 +1,81 @@
+"""`python -m dtensor3d plan`: the layout of a recipe, without launching anything."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def plan(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    return subprocess.run([sys.executable, "-m", "dtensor3d", "plan", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_plan_json_3d():
+    p = plan("recipes/3d.yaml", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert set(out) == {"world_size", "dims", "groups"}
+    assert out["world_size"] == 16
+    assert out["dims"] == {"ep": 1, "pp": 2, "dp": 4, "cp": 1, "tp": 2}
+    assert list(out["dims"]) == ["ep", "pp", "dp", "cp", "tp"]  # nanotron's order
+    g = out["groups"]
+    assert {"tp", "pp", "dp", "cp", "ep", "dp_cp"} <= set(g)
+    # rank = pp*8 + dp*2 + tp
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert g["pp"] == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    assert g["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g["cp"] == [[r] for r in range(16)]
+    assert g["ep"] == [[r] for r in range(16)]
+    assert g["dp_cp"] == g["dp"]  # cp = 1
+
+
+def test_plan_json_with_overrides_and_world():
+    p = plan("recipes/3d.yaml", "parallelism.dp=2", "parallelism.context_parallel_size=2",
+             "--world", "16", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["world_size"] == 16
+    assert out["dims"] == {"ep": 1, "pp": 2, "dp": 2, "cp": 2, "tp": 2}
+    g = out["groups"]
+    # rank = pp*8 + dp*4 + cp*2 + tp
+    assert g["cp"][:2] == [[0, 2], [1, 3]]
+    assert g["dp"][:2] == [[0, 4], [1, 5]]
+    assert g["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+
+
+def test_plan_wrong_world_fails():
+    p = plan("recipes/3d.yaml", "--world", "8")
+    assert p.returncode == 2
+    assert p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:")
+    assert "parallelism" in lines[0] and "16" in lines[0] and "8" in lines[0]
+    assert "Traceback" not in p.stderr
+
+
+def test_plan_text_rank_table():
+    p = plan("recipes/3d.yaml")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "world size 16: ep=1 pp=2 dp=4 cp=1 tp=2"
+    header = next(i for i, line in enumerate(lines) if line.split() == ["rank", "ep", "pp", "dp", "cp", "tp"])
+    rows = [list(map(int, line.split())) for line in lines[header + 1:header + 17]]
+    assert [r[0] for r in rows] == list(range(16))
+    for rank, ep, pp, dp, cp, tp in rows:
+        assert (ep, pp, dp, cp, tp) == (0, rank // 8, rank // 2 % 4, 0, rank % 2)
+    assert "tp groups: [0, 1] [2, 3]" in p.stdout
+    assert "dp groups: [0, 2, 4, 6] [1, 3, 5, 7] [8, 10, 12, 14] [9, 11, 13, 15]" in p.stdout
+    assert "2 microbatches" in p.stdout
+
+
+def test_plan_debug_is_one_rank():
+    p = plan("recipes/debug.yaml", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["world_size"] == 1
+    assert all(groups == [[0]] for groups in out["groups"].values())
