@@ -178,13 +178,18 @@ def _coerce(where: str, value: Any, annotation: str) -> Any:
     if ann == "int" and isinstance(value, int) and not isinstance(value, bool):
         return value
     if ann == "float" and not isinstance(value, bool):
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise _fail(f"{where}={value!r} must be a finite number")
+            return number
     if ann == "bool" and isinstance(value, bool):
         return value
     if ann == "str" and isinstance(value, str):
@@ -251,8 +256,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def _read_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise _fail(f"recipe {path!r}: no such file; pass the path of a YAML recipe, e.g. recipes/3d.yaml")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise _fail(f"recipe {path!r} is not UTF-8 text (byte {e.start}); pass a YAML recipe") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -326,6 +334,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     if m.num_attention_heads % m.num_key_value_heads:
         raise _fail(f"model.num_key_value_heads={m.num_key_value_heads} does not divide num_attention_heads="
                     f"{m.num_attention_heads}; valid: {_divisors(m.num_attention_heads)}")
+    if m.num_local_experts < 0:
+        raise _fail(f"model.num_local_experts={m.num_local_experts} must be >= 0 (0: no experts)")
+    if m.rms_norm_eps <= 0 or m.rope_theta <= 0:
+        raise _fail(f"model.rms_norm_eps={m.rms_norm_eps}, rope_theta={m.rope_theta}: both must be > 0")
     if m.head_dim % 2:
         raise _fail(f"model.hidden_size={m.hidden_size}: head dim {m.head_dim} must be even for RoPE")
     if m.intermediate_size % p.tp:
