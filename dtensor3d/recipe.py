@@ -218,6 +218,7 @@ def _build_section(name: str, raw: Any) -> Any:
     types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     valid = sorted(list(types) + [alias for (s, alias) in ALIASES if s == name])
     values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # canonical name -> the spelling the recipe used
     for key, value in raw.items():
         key = str(key)
         canon = ALIASES.get((name, key), key)
@@ -232,9 +233,10 @@ def _build_section(name: str, raw: Any) -> Any:
                 raise _fail(f"{where}={value!r} is not a valid choice; valid: {', '.join(choices)}")
             value = match[0]
         if canon in values and values[canon] != value:
-            raise _fail(f"{where}={value!r} conflicts with {name}.{canon}={values[canon]!r} "
+            raise _fail(f"{where}={value!r} conflicts with {name}.{spelled[canon]}={values[canon]!r} "
                         f"(aliases of one setting); give one of them")
         values[canon] = value
+        spelled[canon] = key
     return cls(**values)
 
 
