@@ -33,6 +33,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _env_int(name: str) -> int | None:
+    """An integer environment variable (unset: None); anything else is a RecipeError."""
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise RecipeError(f"{name}={text!r} is not an integer; torchrun sets it, or unset it") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -48,12 +59,13 @@ def main(argv: list[str] | None = None) -> int:
                                   f"valid: a divisor of {world}")
             print(world // args.nnodes)
         elif args.command == "train":
-            world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+            world = _env_int("WORLD_SIZE")
             recipe = load_recipe(args.recipe, args.overrides, world_size=world if world is not None else 1)
             from .train import train
             train(recipe)
     except RecipeError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        rank = os.environ.get("RANK", "0")
+        if not rank.strip().isdigit() or int(rank) == 0:  # one line per job, not one per rank
             print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
