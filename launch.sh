@@ -12,6 +12,14 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+case "$NNODES" in ''|*[!0-9]*) NNODES_OK=0;; *) NNODES_OK=$((10#$NNODES > 0));; esac
+if [ "$NNODES_OK" != 1 ]; then
+  echo "error: NNODES='$NNODES' must be a positive integer (the number of nodes)" >&2; exit 2
+fi
+case "$NODE_RANK" in ''|*[!0-9]*) NODE_RANK_OK=0;; *) NODE_RANK_OK=$((10#$NODE_RANK < 10#$NNODES));; esac
+if [ "$NODE_RANK_OK" != 1 ]; then
+  echo "error: NODE_RANK='$NODE_RANK' must be an integer in 0..$((10#$NNODES - 1)) (NNODES=$NNODES)" >&2; exit 2
+fi
 nproc=$("$PYTHON" -m dtensor3d validate "$@" --nnodes "$NNODES") || exit $?
 if [ -z "${MASTER_PORT:-}" ]; then
   MASTER_PORT=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
