@@ -47,7 +47,7 @@ def replication(p: torch.Tensor, world_size: int, pp: int) -> int:
     distinct = pp  # stages hold different parameters
     if hasattr(p, "device_mesh"):
         for size, placement in zip(p.device_mesh.shape, p.placements):
-            if placement.is_shard():
+            if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over tp
                 distinct *= size
     return world_size // distinct
 
