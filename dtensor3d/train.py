@@ -27,6 +27,7 @@ from .mesh import build_mesh
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
 from .models.llama import LlamaForCausalLM, init_std
 from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
+from .parallel.context import apply_cp, shard_sequence
 from .parallel.data import allreduce_grads, apply_fsdp, local
 from .parallel.pipeline import build_schedule, split_stage
 from .parallel.tensor import apply_tp
@@ -110,6 +111,8 @@ def build_model(recipe, mesh, device: torch.device, coords: dict[str, int]) -> n
         split_stage(model, coords["pp"], p, cfg.num_hidden_layers)
     if p.tp > 1:
         apply_tp(model, mesh["tp"], p)
+    if p.cp > 1:
+        apply_cp(model, mesh["cp"], recipe.training.sequence_length, device)
     if p.recompute_layer:
         for block in model.model.layers.values():
             block.recompute = True
@@ -220,6 +223,16 @@ def batch_rank(state: TrainState) -> tuple[int, int]:
     return c["ep"] * p.dp + c["dp"], p.ep * p.dp
 
 
+def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets) of global batch `step`: its samples (ep x dp) and, under
+    context parallelism, its two chunks of every sequence."""
+    inputs, targets = local_batch(state.recipe, source, step, *batch_rank(state))
+    cp = state.recipe.parallelism.cp
+    if cp > 1:
+        inputs, targets = (shard_sequence(x, cp, state.coords["cp"]) for x in (inputs, targets))
+    return inputs.to(state.device), targets.to(state.device)
+
+
 def train(recipe) -> list[dict]:
     """Train for recipe.training.steps; rank 0 logs. Returns the logged records."""
     state = setup(recipe)
@@ -227,7 +240,6 @@ def train(recipe) -> list[dict]:
     rank = dist.get_rank()
     log = MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=rank == 0)
     source = make_source(recipe)
-    r, n = batch_rank(state)
     tokens = t.global_batch_size * t.sequence_length
     fpt, peak = flops_per_token(recipe.model, t.sequence_length), peak_flops(state.device)
     if rank == 0:
@@ -237,8 +249,7 @@ def train(recipe) -> list[dict]:
     try:
         while state.step < t.steps:
             start = time.perf_counter()
-            inputs, targets = local_batch(recipe, source, state.step, r, n)
-            metrics = train_step(state, (inputs.to(state.device), targets.to(state.device)))
+            metrics = train_step(state, rank_batch(state, source, state.step))
             elapsed = time.perf_counter() - start
             if state.step % recipe.logging.every == 0 or state.step == t.steps:
                 tps = tokens / elapsed
