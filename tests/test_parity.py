@@ -21,6 +21,17 @@ CONFIGS = {
     "dp2_pp2": ["parallelism.dp=2", "parallelism.pp=2"],
     "dp2_tp2_pp2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"],
     "dp2_tp2_recompute": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute_layer=true"],
+    # Context parallelism (nanotron's key and the short alias).
+    "cp2": ["parallelism.context_parallel_size=2"],
+    "cp4": ["parallelism.cp=4"],
+    "cp2_tp2_all_reduce": ["parallelism.cp=2", "parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE"],
+    "cp2_tp2_reduce_scatter": ["parallelism.cp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    "cp2_dp2": ["parallelism.cp=2", "parallelism.dp=2"],
+    "cp2_dp2_replicate": ["parallelism.cp=2", "parallelism.dp=2", "parallelism.dp_mode=replicate"],
+    "cp2_pp2": ["parallelism.cp=2", "parallelism.pp=2"],
+    "dp2_cp2_tp2": ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2"],
+    "pp2_dp2_cp2_tp2": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2",
+                        "parallelism.tp_mode=REDUCE_SCATTER"],
 }
 
 
@@ -28,7 +39,8 @@ def world(overrides: list[str]) -> int:
     n = 1
     for o in overrides:
         key, value = o.split("=")
-        if key in ("parallelism.dp", "parallelism.tp", "parallelism.pp"):
+        if key in ("parallelism.dp", "parallelism.tp", "parallelism.pp", "parallelism.cp",
+                   "parallelism.context_parallel_size"):
             n *= int(value)
     return n
 
