@@ -1,4 +1,5 @@
 """Command line: python -m dtensor3d {train,plan,validate} RECIPE [key.path=value ...]
+                  python -m dtensor3d export-hf CKPT OUT | import-hf DIR OUT
 
 A wrong recipe or argument prints one `error:` line on stderr and exits with status 2,
 before torch is imported or any process group starts.
@@ -30,7 +31,22 @@ def _parser() -> argparse.ArgumentParser:
     for p in (train, plan, check):
         p.add_argument("recipe", help="path of a YAML recipe")
         p.add_argument("overrides", nargs="*", help="key.path=value")
+    export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama directory")
+    export.add_argument("ckpt", help="a step directory, or a checkpoint directory (its newest)")
+    export.add_argument("out", help="a new directory")
+    export.add_argument("--max-shard-mb", type=float, default=5000.0, help="split model.safetensors above this")
+    imp = sub.add_parser("import-hf", help="turn a Hugging Face Llama directory into a checkpoint")
+    imp.add_argument("hf_dir", help="a directory with config.json and model.safetensors (or shards + index)")
+    imp.add_argument("out", help="a new checkpoint directory")
     return parser
+
+
+def _check_checkpoints(recipe, hashes: bool) -> None:
+    """The checkpoint a run would resume from, or its init_from_hf directory (imports torch)."""
+    c = recipe.checkpoint
+    if c.dir or c.resume not in ("auto", "none") or c.init_from_hf:
+        from .checkpoint import check_at_door
+        check_at_door(recipe, hashes)
 
 
 def _env_int(name: str) -> int | None:
@@ -57,12 +73,21 @@ def main(argv: list[str] | None = None) -> int:
             if args.nnodes < 1 or world % args.nnodes:
                 raise RecipeError(f"NNODES={args.nnodes}: the world size {world} is not divisible by it; "
                                   f"valid: a divisor of {world}")
+            _check_checkpoints(recipe, hashes=True)
             print(world // args.nnodes)
         elif args.command == "train":
             world = _env_int("WORLD_SIZE")
             recipe = load_recipe(args.recipe, args.overrides, world_size=world if world is not None else 1)
+            _check_checkpoints(recipe, hashes=False)  # sha256 is checked by the ranks together
             from .train import train
             train(recipe)
+        elif args.command == "export-hf":
+            from .checkpoint import export_hf
+            files = export_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_mb * 1e6))
+            print(f"wrote {args.out}: config.json, {', '.join(files)}")
+        elif args.command == "import-hf":
+            from .checkpoint import import_hf
+            print(f"wrote {import_hf(args.hf_dir, args.out)}")
     except RecipeError as e:
         rank = os.environ.get("RANK", "0")
         if not rank.strip().isdigit() or int(rank) == 0:  # one line per job, not one per rank

@@ -38,16 +38,26 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLog:
-    """Writes <run_dir>/metrics.jsonl and <run_dir>/recipe.yaml; only rank 0 writes."""
+    """Writes <run_dir>/metrics.jsonl and <run_dir>/recipe.yaml; only rank 0 writes.
 
-    def __init__(self, run_dir: str, recipe_dict: dict, enabled: bool, resume: bool = False):
-        self.enabled, self.run_dir, self.records = enabled, run_dir, []
+    `resume`: the step a resumed run continues from (0: a fresh run). The file's earlier
+    records up to that step are kept and new ones appended; later ones (from a run that
+    went past the checkpoint) are dropped, so each step appears once."""
+
+    def __init__(self, run_dir: str, recipe_dict: dict, enabled: bool, resume: int = 0):
+        self.enabled, self.run_dir, self.records, self.earlier = enabled, run_dir, [], []
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "recipe.yaml"), "w") as f:
             yaml.safe_dump(recipe_dict, f, sort_keys=False)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resume and os.path.exists(path):
+            with open(path) as f:
+                self.earlier = [r for r in map(json.loads, f) if r["step"] <= resume]
+        self.file = open(path, "w")
+        for record in self.earlier:
+            self.file.write(json.dumps(record) + "\n")
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -65,8 +75,9 @@ class MetricsLog:
     def close(self) -> None:
         if self.enabled:
             self.file.close()
-            if self.records:
-                write_loss_svg(os.path.join(self.run_dir, "loss.svg"), [(r["step"], r["loss"]) for r in self.records])
+            points = [(r["step"], r["loss"]) for r in self.earlier + self.records]
+            if points:
+                write_loss_svg(os.path.join(self.run_dir, "loss.svg"), points)
 
 
 def write_loss_svg(path: str, points: list[tuple[int, float]], width: int = 640, height: int = 360) -> None:

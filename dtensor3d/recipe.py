@@ -98,8 +98,9 @@ class DataConfig:
 class CheckpointConfig:
     dir: str | None = None
     interval: int = 0  # 0: save only at the end (when dir is set)
-    resume: str = "auto"
+    resume: str = "auto"  # auto (newest complete in dir) | none | a step or checkpoint directory
     keep: int = 2
+    init_from_hf: str | None = None  # a Hugging Face Llama directory to start from (no resume)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from . import checkpoint
 from .data import local_batch, make_source
 from .mesh import build_mesh
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
@@ -148,7 +149,9 @@ def setup(recipe) -> TrainState:
     params = [q for q in model.parameters() if q.requires_grad]
     world = dist.get_world_size()
     weights = [1.0 / replication(q, world, p.pp) for q in params]
-    return TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, weights)
+    state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, weights)
+    checkpoint.load_at_start(state)  # resume (model, optimizer, step, RNG) or Hugging Face init
+    return state
 
 
 def _compute_context(state: TrainState):
@@ -238,7 +241,7 @@ def train(recipe) -> list[dict]:
     state = setup(recipe)
     t = recipe.training
     rank = dist.get_rank()
-    log = MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=rank == 0)
+    log = MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=rank == 0, resume=state.step)
     source = make_source(recipe)
     tokens = t.global_batch_size * t.sequence_length
     fpt, peak = flops_per_token(recipe.model, t.sequence_length), peak_flops(state.device)
@@ -257,6 +260,8 @@ def train(recipe) -> list[dict]:
                                peak_mem_gib=peak_memory_gib(state.device),
                                mfu=tps * fpt / (peak * dist.get_world_size()) if peak else None)
                 log.log(metrics)
+            if checkpoint.checkpoint_due(recipe, state.step):
+                checkpoint.save(state)
     finally:
         log.close()
     dist.barrier()
