@@ -3,10 +3,20 @@
 Load balancing for causal attention: the sequence is cut into 2*cp chunks and cp rank i
 holds chunks i and 2*cp-1-i, so every rank has one early and one late chunk and the same
 number of (query, key) pairs to score. Attention gathers K and V from the cp group (an
-autograd function whose backward reduce-scatters their gradients), and masks by global
-position: a query attends to every key at the same or an earlier position. RoPE uses the
-same global positions. PyTorch's own `context_parallel` has no rule for the CPU attention
-kernel, so this one path serves CPU and GPU.
+autograd function whose backward reduce-scatters their gradients); a query attends to
+every key at the same or an earlier global position. RoPE uses the same global positions.
+PyTorch's own `context_parallel` has no rule for the CPU attention kernel, so this file
+serves CPU and GPU, with two kernels behind one switch, `cp_kernel(device)`:
+
+- "flash" (CPU, where torch has the flash kernel that returns the log-sum-exp): with the
+  gathered keys in global order, query chunk c sees chunks 0..c-1 whole and chunk c
+  causally. That is two flash calls, merged by their log-sum-exps; the backward runs the
+  flash backward on each block with the merged output and log-sum-exp, which gives the
+  exact gradients. Saved for backward: q, the gathered k and v, the output and the
+  log-sum-exp -- O(S) per rank, never the [S/cp, S] probabilities.
+- "masked" (everything else): SDPA with a boolean mask by global position. On CUDA the
+  memory-efficient kernel takes the mask; on CPU a mask forces the math kernel, which
+  keeps the [b, h, S/cp, S] probabilities for backward.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -60,18 +71,116 @@ def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return _GatherSequence.apply(x, group, dim)
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
-                 q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """Exact causal attention for this rank's queries over the whole sequence's keys.
+_FLASH_CPU = ("_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_flash_attention_for_cpu_backward")
 
-    q: [b, h, s_local, d]; k, v: [b, kv_h, s_local, d]; q_pos: [s_local] global positions of
-    this rank's tokens; k_pos: [s] global positions of the gathered keys (cp-rank order)."""
-    k, v = gather_sequence(k, group, 2), gather_sequence(v, group, 2)
+
+def cp_kernel(device: torch.device) -> str:
+    """The attention kernel cp_attention uses on `device`: "flash" where torch has a flash
+    kernel that returns the log-sum-exp (CPU), else "masked"."""
+    if device.type == "cpu" and all(hasattr(torch.ops.aten, op) for op in _FLASH_CPU):
+        return "flash"
+    return "masked"
+
+
+def _causal_blocks(chunk: int, size: int):
+    """(key slice, is_causal) blocks that query chunk `chunk` of `size` tokens attends to,
+    keys in global order: every earlier chunk in full, then its own chunk causally."""
+    if chunk > 0:
+        yield slice(0, chunk * size), False
+    yield slice(chunk * size, (chunk + 1) * size), True
+
+
+class _ChunkedCausalAttention(torch.autograd.Function):
+    """Causal attention for query chunks `chunks` (each `size` tokens, chunk j of q is the
+    sequence's chunk chunks[j]) over keys in global order, by flash blocks merged through
+    their log-sum-exps. q: [b, h, n*size, d]; k, v: [b, kv_h, S, d] (kv_h divides h)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunks: tuple[int, ...]):
+        flash = getattr(torch.ops.aten, _FLASH_CPU[0])
+        b, h, s, d = q.shape
+        size = s // len(chunks)
+        out = q.new_empty(b, s, h, d).transpose(1, 2)  # [b, s, h, d] in memory, like SDPA's
+        lse = None
+        for j, chunk in enumerate(chunks):
+            rows = slice(j * size, (j + 1) * size)
+            parts = [flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal)
+                     for keys, causal in _causal_blocks(chunk, size)]
+            if lse is None:
+                lse = parts[0][1].new_empty(b, s, h).transpose(1, 2)
+            if len(parts) == 1:
+                o, l = parts[0]
+            else:
+                l = torch.logaddexp(parts[0][1], parts[1][1])
+                o = sum(p.to(l.dtype) * (pl - l).exp().unsqueeze(-1) for p, pl in parts)
+            out[:, :, rows] = o
+            lse[:, :, rows] = l
+        ctx.chunks = chunks
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        flash_backward = getattr(torch.ops.aten, _FLASH_CPU[1])
+        q, k, v, out, lse = ctx.saved_tensors
+        size = q.shape[2] // len(ctx.chunks)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for j, chunk in enumerate(ctx.chunks):
+            rows = slice(j * size, (j + 1) * size)
+            for keys, causal in _causal_blocks(chunk, size):
+                # the merged out and lse make each block's probabilities the global ones
+                gq, gk, gv = flash_backward(grad[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                            out[:, :, rows], lse[:, :, rows], 0.0, causal)
+                dq[:, :, rows] += gq
+                dk[:, :, keys] += gk
+                dv[:, :, keys] += gv
+        return dq, dk, dv, None
+
+
+def _global_order(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """Gathered chunks (rank 0's two, rank 1's two, ...) put back in sequence order, dim 2."""
+    pieces = x.chunk(2 * cp, dim=2)
+    return torch.cat([pieces[2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1] for c in range(2 * cp)], dim=2)
+
+
+def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tensor:
+    """The "flash" kernel on keys already gathered (cp-rank order); needs the zigzag layout."""
+    seq = k.shape[2]
+    expected_k = torch.cat([zigzag_positions(seq, cp, r) for r in range(cp)])
+    if not (torch.equal(q_pos.cpu(), zigzag_positions(seq, cp, rank)) and torch.equal(k_pos.cpu(), expected_k)):
+        raise ValueError("cp_attention(kernel='flash') needs the zigzag layout: q_pos = "
+                         "zigzag_positions(S, cp, rank), k_pos = every rank's in rank order")
+    k, v = _global_order(k, cp), _global_order(v, cp)
+    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank))
+
+
+def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tensor:
+    """The "masked" kernel on keys already gathered: SDPA with a mask by global position."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     mask = k_pos[None, :] <= q_pos[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+KERNELS = {"flash": flash_attention, "masked": masked_attention}
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                 q_pos: torch.Tensor, k_pos: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+    """Exact causal attention for this rank's queries over the whole sequence's keys.
+
+    q: [b, h, s_local, d]; k, v: [b, kv_h, s_local, d]; q_pos: [s_local] global positions of
+    this rank's tokens; k_pos: [s] global positions of the gathered keys (cp-rank order).
+    kernel: "flash" or "masked" (see the module docstring); default cp_kernel(q.device)."""
+    kernel = kernel or cp_kernel(q.device)
+    if kernel not in KERNELS:
+        raise ValueError(f"cp_attention: kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    k, v = gather_sequence(k, group, 2), gather_sequence(v, group, 2)
+    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos,
+                           cp=dist.get_world_size(group), rank=dist.get_rank(group))
 
 
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int, device: torch.device) -> nn.Module:

@@ -1,6 +1,7 @@
 """On 4 gloo ranks: context-parallel attention (cp 2 and cp 4, with and without grouped-query
-attention) against single-device causal attention, outputs and input gradients. Prints one
-JSON line per case from rank 0 with the largest absolute errors over all ranks."""
+attention, both kernels: "flash" and "masked") against single-device causal attention,
+outputs and input gradients. Prints one JSON line per case from rank 0 with the largest
+absolute errors over all ranks."""
 
 import json
 
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from dtensor3d.models.llama import causal_attention
-from dtensor3d.parallel.context import cp_attention, shard_sequence, zigzag_positions
+from dtensor3d.parallel.context import KERNELS, cp_attention, shard_sequence, zigzag_positions
 
 dist.init_process_group("gloo")
 world = dist.get_world_size()
@@ -26,20 +27,22 @@ for cp in (2, 4):
         ref = causal_attention(q, k, v)
         (ref * w).sum().backward()
 
-        ql, kl, vl = (shard_sequence(t.detach(), cp, rank, dim=2).requires_grad_() for t in (q, k, v))
-        k_pos = torch.cat([zigzag_positions(s, cp, r) for r in range(cp)])
-        out = cp_attention(ql, kl, vl, group=mesh.get_group(), q_pos=zigzag_positions(s, cp, rank), k_pos=k_pos)
-        (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
+        for kernel in KERNELS:
+            ql, kl, vl = (shard_sequence(t.detach(), cp, rank, dim=2).requires_grad_() for t in (q, k, v))
+            k_pos = torch.cat([zigzag_positions(s, cp, r) for r in range(cp)])
+            out = cp_attention(ql, kl, vl, group=mesh.get_group(), q_pos=zigzag_positions(s, cp, rank),
+                               k_pos=k_pos, kernel=kernel)
+            (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
 
-        errs = torch.tensor([
-            (out - shard_sequence(ref, cp, rank, dim=2)).abs().max(),
-            (ql.grad - shard_sequence(q.grad, cp, rank, dim=2)).abs().max(),
-            (kl.grad - shard_sequence(k.grad, cp, rank, dim=2)).abs().max(),
-            (vl.grad - shard_sequence(v.grad, cp, rank, dim=2)).abs().max(),
-        ])
-        dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-        if dist.get_rank() == 0:
-            print(json.dumps({"cp": cp, "kv_heads": kv_heads, "out": errs[0].item(), "dq": errs[1].item(),
-                              "dk": errs[2].item(), "dv": errs[3].item(), "ref_scale": ref.abs().max().item()}),
-                  flush=True)
+            errs = torch.tensor([
+                (out - shard_sequence(ref, cp, rank, dim=2)).abs().max(),
+                (ql.grad - shard_sequence(q.grad, cp, rank, dim=2)).abs().max(),
+                (kl.grad - shard_sequence(k.grad, cp, rank, dim=2)).abs().max(),
+                (vl.grad - shard_sequence(v.grad, cp, rank, dim=2)).abs().max(),
+            ])
+            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+            if dist.get_rank() == 0:
+                print(json.dumps({"cp": cp, "kv_heads": kv_heads, "kernel": kernel, "out": errs[0].item(),
+                                  "dq": errs[1].item(), "dk": errs[2].item(), "dv": errs[3].item(),
+                                  "ref_scale": ref.abs().max().item()}), flush=True)
 dist.destroy_process_group()
