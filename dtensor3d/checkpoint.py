@@ -231,11 +231,12 @@ def resume_dir(recipe) -> str | None:
 
 def check_files(step_dir: str, files: dict, hashes: bool) -> None:
     """Each manifest file is there with its size (and, if `hashes`, its sha256)."""
+    for name in sorted(files):
+        if os.path.basename(name) != name or not name.endswith((".safetensors", ".json")):
+            raise RecipeError(f"{os.path.join(step_dir, MANIFEST)} lists {name!r}; only safetensors and "
+                              f"JSON files in the step directory are loaded")
     for name, info in sorted(files.items()):
         path = os.path.join(step_dir, name)
-        if os.path.basename(name) != name or not name.endswith((".safetensors", ".json")):
-            raise RecipeError(f"{step_dir}/{MANIFEST} lists {name!r}; only safetensors and JSON files "
-                              f"in the step directory are loaded")
         if not os.path.isfile(path):
             raise RecipeError(f"checkpoint file {path} is missing (listed in {MANIFEST})")
         size = os.path.getsize(path)
