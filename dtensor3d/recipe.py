@@ -34,7 +34,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    num_local_experts: int = 0  # 0: dense feed-forward (no experts)
+    num_local_experts: int = 0  # 0: dense feed-forward (no experts); Mixtral's names below
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    moe_layers: tuple[int, ...] | None = None  # None: every layer has experts
 
     @property
     def head_dim(self) -> int:
@@ -339,6 +343,16 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
                     f"{m.num_attention_heads}; valid: {_divisors(m.num_attention_heads)}")
     if m.num_local_experts < 0:
         raise _fail(f"model.num_local_experts={m.num_local_experts} must be >= 0 (0: no experts)")
+    if m.num_local_experts and not 1 <= m.num_experts_per_tok <= m.num_local_experts:
+        raise _fail(f"model.num_experts_per_tok={m.num_experts_per_tok} must be in 1..num_local_experts="
+                    f"{m.num_local_experts}")
+    if m.router_aux_loss_coef < 0 or m.shared_expert_intermediate_size < 0:
+        raise _fail(f"model.router_aux_loss_coef={m.router_aux_loss_coef}, shared_expert_intermediate_size="
+                    f"{m.shared_expert_intermediate_size}: both must be >= 0")
+    if m.moe_layers is not None and (not m.num_local_experts or
+                                     any(not 0 <= i < m.num_hidden_layers for i in m.moe_layers)):
+        raise _fail(f"model.moe_layers={list(m.moe_layers)} must list layer indices in 0.."
+                    f"{m.num_hidden_layers - 1} of a model with experts (num_local_experts > 0)")
     if m.rms_norm_eps <= 0 or m.rope_theta <= 0:
         raise _fail(f"model.rms_norm_eps={m.rms_norm_eps}, rope_theta={m.rope_theta}: both must be > 0")
     if m.head_dim % 2:

@@ -30,6 +30,7 @@ from .models.llama import LlamaForCausalLM, init_std
 from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
 from .parallel.context import apply_cp, shard_sequence
 from .parallel.data import allreduce_grads, apply_fsdp, local
+from .parallel.expert import apply_ep, moe_modules
 from .parallel.pipeline import build_schedule, split_stage
 from .parallel.tensor import apply_tp
 
@@ -114,11 +115,16 @@ def build_model(recipe, mesh, device: torch.device, coords: dict[str, int]) -> n
         apply_tp(model, mesh["tp"], p)
     if p.cp > 1:
         apply_cp(model, mesh["cp"], recipe.training.sequence_length, device)
+    if p.ep > 1:
+        apply_ep(model, mesh["ep"])
+    for moe in moe_modules(model):
+        moe.stats_group = mesh["cp"].get_group() if p.cp > 1 else None
+        moe.aux_scale = cfg.router_aux_loss_coef / (recipe.training.global_batch_size // recipe.training.micro_batch_size)
     if p.recompute_layer:
         for block in model.model.layers.values():
             block.recompute = True
-    if p.dp * p.cp > 1 and p.dp_mode == "shard":
-        apply_fsdp(model, mesh["dp_cp"], reshard_after_forward=p.pp == 1)
+    if p.ep * p.dp * p.cp > 1 and p.dp_mode == "shard":
+        apply_fsdp(model, mesh["ep_dp_cp"], mesh["dp_cp"], reshard_after_forward=p.pp == 1)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -204,11 +210,15 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     loss_sum = _forward_backward(state, *batch)
     _match_grad_placements(state.params)
     if p.dp_mode == "replicate":
-        allreduce_grads(state.params, state.mesh["dp_cp"].get_group())
-    # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks) and the
-    # squared grad norm (each copy weighted by 1 / its replication).
+        experts = {id(q) for m in moe_modules(state.model) for q in m.experts.parameters()}
+        allreduce_grads([q for q in state.params if id(q) not in experts], state.mesh["ep_dp_cp"].get_group())
+        allreduce_grads([q for q in state.params if id(q) in experts], state.mesh["dp_cp"].get_group())
+    # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
+    # squared grad norm (each copy weighted by 1 / its replication) and the MoE statistics.
     reports_loss = state.is_last_stage and state.coords["tp"] == 0
-    stats = torch.stack([loss_sum * reports_loss, grad_sq_partial(state.params, state.norm_weights).to(state.device)])
+    stats = torch.cat([torch.stack([loss_sum * reports_loss,
+                                    grad_sq_partial(state.params, state.norm_weights).to(state.device)]),
+                       _moe_stats(state)])
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
     clip_(state.params, grad_norm, recipe.optimizer.clip_grad)
@@ -217,7 +227,28 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
         group["lr"] = lr
     state.optimizer.step()
     state.step += 1
-    return {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
+    metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
+    if recipe.model.num_local_experts:
+        load = stats[3:]
+        metrics.update(aux_loss=stats[2].item(), tokens_per_expert=[int(round(x)) for x in load.tolist()],
+                       expert_load_max_over_mean=(load.max() / load.mean().clamp_min(1e-9)).item())
+    return metrics
+
+
+def _moe_stats(state: TrainState) -> torch.Tensor:
+    """[aux loss term, tokens per expert...] of this rank's MoE layers this step (the last
+    n-microbatches forwards of each), counted once over the ranks that share them (aux: tp
+    and cp rank 0; loads: tp rank 0). Clears the records."""
+    cfg, c = state.recipe.model, state.coords
+    n_micro = state.recipe.num_microbatches
+    out = torch.zeros(1 + cfg.num_local_experts, device=state.device)
+    for moe in moe_modules(state.model):
+        for aux, load in moe.records[-n_micro:]:
+            if c["tp"] == 0:
+                out[0] += aux.to(out.device).float() * moe.aux_scale * (c["cp"] == 0)
+                out[1:] += load.to(out.device)
+        moe.records.clear()
+    return out
 
 
 def batch_rank(state: TrainState) -> tuple[int, int]:

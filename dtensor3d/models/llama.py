@@ -15,6 +15,15 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .moe import MoE
+
+
+def is_moe_layer(cfg, index: int) -> bool:
+    """Layers with experts: all of them when the model has experts, unless moe_layers lists some."""
+    if not cfg.num_local_experts:
+        return False
+    return cfg.moe_layers is None or index in cfg.moe_layers
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -76,11 +85,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -91,21 +101,33 @@ class DecoderLayer(nn.Module):
     # recompute the rest. The maths is unchanged.
     recompute = False
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, moe: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        # Mixtral's name for a mixture-of-experts feed-forward, Llama's for a dense one.
+        if moe:
+            self.block_sparse_moe = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, positions, use_reentrant=False)
-        return self._forward(x, positions)
+            out = checkpoint(self._forward, x, positions, use_reentrant=False)
+        else:
+            out = self._forward(x, positions)
+        if hasattr(self, "block_sparse_moe"):
+            self.block_sparse_moe.record()
+        return out
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -115,7 +137,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # A ModuleDict keyed by the global layer index: a pipeline stage drops layers and the
         # rest keep their names (model.layers.7...), like nn.ModuleList's.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, moe=is_moe_layer(cfg, i))
+                                     for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Global positions of this rank's tokens; context parallelism sets them per step.
         self.positions: torch.Tensor | None = None

@@ -12,11 +12,16 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True,
+def apply_fsdp(model: nn.Module, dp_mesh, expert_mesh=None, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None) -> nn.Module:
-    """fully_shard each decoder block, then the root (embedding, final norm, head)."""
+    """fully_shard each MoE layer's experts over `expert_mesh` (dp x cp: they are already
+    split over ep), each decoder block and then the root (embedding, final norm, head) over
+    `dp_mesh` (ep x dp x cp for the dense parameters, which ep replicates)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.model.layers.values():
+        moe = getattr(block, "block_sparse_moe", None)
+        if moe is not None:
+            fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     for module in model.modules():

@@ -17,14 +17,17 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 
-def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
-    """(plan for the model's outer modules, plan for each decoder layer)."""
+def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
+    """(plan for the model's outer modules, plan for a decoder layer). A mixture-of-experts
+    layer's feed-forward is replicated over tp (see parallel/expert.py): it takes the whole
+    sequence and, under sequence parallelism, hands back this rank's part."""
     seq = Shard(1) if sequence_parallel else Replicate()
     outer = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -35,10 +38,13 @@ def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
     }
+    if not moe:
+        layer.update({
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        })
     if sequence_parallel:
         outer["model.norm"] = SequenceParallel()
         layer.update({
@@ -47,8 +53,13 @@ def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
             # The block's input arrives sharded on the sequence; gather it before q/k/v.
             "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None),
                                             desired_input_layouts=(Replicate(), None)),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
+        if moe:
+            layer["block_sparse_moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        else:
+            layer["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return outer, layer
 
 
@@ -57,11 +68,12 @@ def apply_tp(model: nn.Module, tp_mesh, parallelism) -> nn.Module:
     if parallelism.tp_linear_async_communication and tp_mesh.device_type == "cpu":
         warnings.warn("tp_linear_async_communication has no effect on CPU; running synchronously",
                       stacklevel=2)
-    outer, layer = tp_plan(parallelism.tp_mode == "REDUCE_SCATTER")
+    sequence_parallel = parallelism.tp_mode == "REDUCE_SCATTER"
+    outer, _ = tp_plan(sequence_parallel)
     present = {path: style for path, style in outer.items() if _has_module(model, path)}
     parallelize_module(model, tp_mesh, present)
     for block in model.model.layers.values():
-        parallelize_module(block, tp_mesh, layer)
+        parallelize_module(block, tp_mesh, tp_plan(sequence_parallel, hasattr(block, "block_sparse_moe"))[1])
     return model
 
 

@@ -1,0 +1,143 @@
+"""Mixture-of-experts feed-forward (Mixtral's names): a softmax router picks the top
+`num_experts_per_tok` experts of `num_local_experts` per token, with weights normalised to
+sum to one; every token is processed (dropless: no capacity, nothing dropped). An optional
+shared expert sees every token. A switch-style load-balancing loss is added through the
+gradient (`AddAuxLoss`), so the forward output is unchanged and any pipeline stage can hold
+MoE layers.
+
+Single-device code: expert parallelism swaps `dispatch` (the function that runs the
+routed tokens through the experts) and, under context parallelism, `stats_group` (the
+ranks that share this microbatch's routing statistics) from outside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+from torch import nn
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (grouped_mm needs one)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
+    """Rows of x, sorted by expert with `counts` rows each, times their expert's w [E, in, out]."""
+    if grouped:
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+    return torch.cat([xi @ wi for xi, wi in zip(x.split(counts), w.unbind(0))]) if counts else x.new_zeros(0, w.shape[-1])
+
+
+def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """One grouped matmul where the installed torch has one for this device and dtype, and
+    the rows are 16-byte aligned as it requires; else a loop over the experts."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])
+    return hasattr(torch, "_grouped_mm") and aligned and (x.device.type == "cuda" or x.dtype == torch.float32)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stacked: w1 (gate) and w3 (up) [E, hidden, inter], w2 (down) [E, inter, hidden]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.grouped_mm: bool | None = None  # None: decide from device and dtype
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        grouped = self.grouped_mm if self.grouped_mm is not None else grouped_mm_available(x, w1)
+        h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
+        return expert_matmul(h, w2, counts, grouped)
+
+
+def local_dispatch(experts: Experts, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """All experts are here: run the sorted tokens through them."""
+    return experts(x_sorted, counts.tolist())
+
+
+class AddAuxLoss(torch.autograd.Function):
+    """Return x unchanged; in backward, also send gradient `scale` into aux_loss."""
+
+    @staticmethod
+    def forward(ctx, x, aux_loss, scale: float):
+        ctx.scale = scale
+        ctx.save_for_backward(aux_loss)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        (aux_loss,) = ctx.saved_tensors
+        return g, torch.full_like(aux_loss, ctx.scale), None
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            from .llama import MLP
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+        self.dispatch = local_dispatch
+        self.stats_group = None  # ranks sharing this microbatch's tokens (context parallelism)
+        # Gradient scale of the aux loss: coef / microbatches per global batch (set by the trainer).
+        self.aux_scale = 0.0
+        # Statistics: the last forward's (detached), and one (aux, load) record per real
+        # forward (`record` is called by the decoder layer, not by recomputation). The
+        # trainer reads the last n-microbatches records: a pipeline stage's first step
+        # also runs a metadata-inference forward on uninitialised tensors.
+        self.last_aux = self.last_load = None
+        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(self) -> None:
+        if self.last_aux is not None:
+            self.records.append((self.last_aux, self.last_load))
+            self.last_aux = self.last_load = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        routed = self.dispatch(self.experts, x[order // self.top_k], counts)
+        out = torch.zeros_like(x).index_add_(0, order // self.top_k, routed * weights.reshape(-1, 1)[order])
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        aux = self._balance_loss(probs, chosen, counts)
+        if torch.is_grad_enabled() and self.aux_scale:
+            out = AddAuxLoss.apply(out, aux, self.aux_scale)
+        return out.reshape(shape)
+
+    def _balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Switch-style loss over the microbatch's whole token set, as Hugging Face Mixtral
+        computes it: E * sum_e f_e * P_e, f_e = routed slots of expert e per token, P_e the
+        mean router probability of e. Returns the part this rank backpropagates."""
+        stats = torch.cat([counts.to(probs.dtype), probs.new_tensor([probs.shape[0]])])
+        prob_sum, share = probs.sum(0), 1
+        if self.stats_group is not None:  # context parallelism: the tokens are spread out
+            dist.all_reduce(stats, group=self.stats_group)
+            prob_sum = dist_fn.all_reduce(prob_sum, group=self.stats_group)
+            share = dist.get_world_size(self.stats_group)  # all_reduce's backward sums the ranks
+        tokens = stats[-1]
+        aux = self.num_experts * ((stats[:-1] / tokens) * (prob_sum / tokens)).sum()
+        self.last_aux, self.last_load = aux.detach(), counts.detach().float()
+        return aux / share
