@@ -62,7 +62,13 @@ def _env_int(name: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = _parser().parse_args(argv)
+        parser = _parser()
+        # Overrides may also follow the options (`plan R --json tp=2`): argparse leaves them over.
+        args, extra = parser.parse_known_args(argv)
+        unknown = [a for a in extra if a.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = list(getattr(args, "overrides", [])) + extra
         if args.command == "plan":
             from .plan import format_plan
             recipe = load_recipe(args.recipe, args.overrides, world_size=args.world)
