@@ -53,6 +53,15 @@ def build_mesh(parallelism, device_type: str):
     return mesh
 
 
+def mesh_axis(mesh, name: str):
+    """One axis of a mesh from `build_mesh`, or one of its flattened views (FLAT_VIEWS).
+    Flattening again returns the view made by build_mesh; slicing a flattened view out of
+    the root mesh is deprecated in torch."""
+    if name in FLAT_VIEWS:
+        return mesh[FLAT_VIEWS[name]]._flatten(name)
+    return mesh[name]
+
+
 class ParallelContext:
     """nanotron's ParallelContext, backed by a DeviceMesh.
 
@@ -85,7 +94,7 @@ class ParallelContext:
         self.mesh = build_mesh(p, self.device_type)
         self.world_pg = dist.group.WORLD
         for name in list(AXES) + list(FLAT_VIEWS):
-            setattr(self, f"{name}_pg", self.mesh[name].get_group())
+            setattr(self, f"{name}_pg", mesh_axis(self.mesh, name).get_group())
             setattr(self, f"{name}_ranks", dist.get_process_group_ranks(getattr(self, f"{name}_pg")))
         coords = self.mesh.get_coordinate()
         self.coords = dict(zip(AXES, coords))

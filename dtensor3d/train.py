@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from . import checkpoint
 from .data import local_batch, make_source
-from .mesh import build_mesh
+from .mesh import build_mesh, mesh_axis
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
 from .models.llama import LlamaForCausalLM, init_std
 from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
@@ -124,7 +124,7 @@ def build_model(recipe, mesh, device: torch.device, coords: dict[str, int]) -> n
         for block in model.model.layers.values():
             block.recompute = True
     if p.ep * p.dp * p.cp > 1 and p.dp_mode == "shard":
-        apply_fsdp(model, mesh["ep_dp_cp"], mesh["dp_cp"], reshard_after_forward=p.pp == 1)
+        apply_fsdp(model, mesh_axis(mesh, "ep_dp_cp"), mesh_axis(mesh, "dp_cp"), reshard_after_forward=p.pp == 1)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -211,8 +211,8 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     _match_grad_placements(state.params)
     if p.dp_mode == "replicate":
         experts = {id(q) for m in moe_modules(state.model) for q in m.experts.parameters()}
-        allreduce_grads([q for q in state.params if id(q) not in experts], state.mesh["ep_dp_cp"].get_group())
-        allreduce_grads([q for q in state.params if id(q) in experts], state.mesh["dp_cp"].get_group())
+        allreduce_grads([q for q in state.params if id(q) not in experts], mesh_axis(state.mesh, "ep_dp_cp").get_group())
+        allreduce_grads([q for q in state.params if id(q) in experts], mesh_axis(state.mesh, "dp_cp").get_group())
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
     # squared grad norm (each copy weighted by 1 / its replication) and the MoE statistics.
     reports_loss = state.is_last_stage and state.coords["tp"] == 0
