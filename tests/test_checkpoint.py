@@ -6,7 +6,9 @@ against transformers' own LlamaForCausalLM (logits within 1e-4, fp32)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -23,6 +25,7 @@ from conftest import PARITY, ROOT, train_metrics
 from safetensors.torch import load_file
 
 from dtensor3d import checkpoint as ck
+from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
 from dtensor3d.data import local_batch, make_source
 from dtensor3d.recipe import RecipeError, load_recipe
@@ -34,11 +37,20 @@ DIST_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 # ---------------------------------------------------------------- helpers
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    """python -m dtensor3d ARGS as one process (no torchrun)."""
+def cli_process(*args: str) -> subprocess.CompletedProcess:
+    """python -m dtensor3d ARGS in a new process (one rank, no torchrun)."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     return subprocess.run([sys.executable, "-m", "dtensor3d", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The command line's `main` in this process (validate, export-hf, import-hf: no process
+    group), with its exit status and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -261,7 +273,7 @@ def test_pickle_payload_is_never_executed(run_one, tmp_path):
     for name in ("model.pt", "pytorch_model.bin", "optimizer.bin"):
         plant(step / name, marker)
     # Resume (the run has nothing left to do at step 10), load_model, export: all ignore them.
-    proc = cli("train", PARITY, f"checkpoint.dir={ckpt}", f"logging.run_dir={tmp_path / 'run'}")
+    proc = cli_process("train", PARITY, f"checkpoint.dir={ckpt}", f"logging.run_dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stdout and "step 10" in proc.stdout
     load_model(ckpt)
@@ -337,7 +349,8 @@ def test_bad_checksum_found_by_the_ranks(run_one, tmp_path):
     shutil.copytree(root / "ck", ckpt)
     _flip(ckpt / "step_00000010" / "optim-stage00.safetensors")
     before = tree_digest(ckpt)
-    proc = cli("train", PARITY, f"checkpoint.dir={ckpt}", "training.steps=12", f"logging.run_dir={tmp_path / 'run'}")
+    proc = cli_process("train", PARITY, f"checkpoint.dir={ckpt}", "training.steps=12",
+                       f"logging.run_dir={tmp_path / 'run'}")
     line = one_error_line(proc)
     assert "optim-stage00.safetensors" in line and "sha256" in line
     assert "step " not in proc.stdout
@@ -429,7 +442,7 @@ def test_init_from_hf_on_tp2_pp2(hf_model, tmp_path):
     """init_from_hf at tp2 x pp2: the first step's loss is the Hugging Face model's loss on
     the first global batch (the loss is computed before the first update)."""
     model, root = hf_model
-    got = train_metrics(tmp_path, 4, ["parallelism.tp=2", "parallelism.pp=2", "training.steps=2",
+    got = train_metrics(tmp_path, 4, ["parallelism.tp=2", "parallelism.pp=2", "training.steps=1",
                                       f"checkpoint.init_from_hf={root / 'single'}"])
     recipe = load_recipe(PARITY)
     inputs, targets = local_batch(recipe, make_source(recipe), 0)
