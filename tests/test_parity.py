@@ -29,6 +29,7 @@ CONFIGS = {
     "cp2_dp2": ["parallelism.cp=2", "parallelism.dp=2"],
     "cp2_dp2_replicate": ["parallelism.cp=2", "parallelism.dp=2", "parallelism.dp_mode=replicate"],
     "cp2_pp2": ["parallelism.cp=2", "parallelism.pp=2"],
+    "cp2_recompute": ["parallelism.cp=2", "parallelism.recompute_layer=true"],
     "dp2_cp2_tp2": ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2"],
     "pp2_dp2_cp2_tp2": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2",
                         "parallelism.tp_mode=REDUCE_SCATTER"],

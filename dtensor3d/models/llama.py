@@ -53,11 +53,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [b, h, s, d]; k, v: [b, kv_h, s, d] -> [b, h, s, d]."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """q: [b, h, s, d]; k, v: [b, kv_h, s, d] -> [b, h, s, d]. Grouped-query attention by
+    the kernel itself (no repeated K/V kept for backward)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
