@@ -53,6 +53,10 @@ HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11
                "max_position_embeddings": 2048, "tie_word_embeddings": False}
 # ModelConfig fields that a Llama config.json holds under the same name.
 LLAMA_KEYS = (*HF_DEFAULTS, "num_key_value_heads", "rope_theta")
+# ...and the ones a Mixtral config.json adds (with MixtralConfig's defaults).
+MIXTRAL_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+# Our stacked experts [E, in, out] <-> Mixtral's one Linear weight [out, in] per expert.
+EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
 
 
 # ---------------------------------------------------------------- files and headers
@@ -147,6 +151,37 @@ class TensorFiles:
             path = os.path.join(self.root, file)
             self.handles[file] = self.stack.enter_context(safe_open(path, framework="pt", device="cpu"))
         return self.handles[file].get_tensor(name)
+
+
+def hf_shapes(cfg) -> dict[str, list[int]]:
+    """Parameter shapes by Hugging Face name: ours, except Mixtral's experts one by one."""
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        m = EXPERTS_RE.match(name)
+        if m:
+            out.update({f"{m[1]}.{e}.{m[2]}.weight": [shape[2], shape[1]] for e in range(shape[0])})
+        else:
+            out[name] = shape
+    return out
+
+
+def to_hf(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One of our full tensors as Hugging Face tensors (stacked experts split and transposed)."""
+    m = EXPERTS_RE.match(name)
+    if not m:
+        return {name: full}
+    return {f"{m[1]}.{e}.{m[2]}.weight": w.T.contiguous() for e, w in enumerate(full.unbind(0))}
+
+
+class HFTensorFiles(TensorFiles):
+    """Our tensors by our names from a Hugging Face directory (Mixtral experts stacked)."""
+
+    def get(self, name: str) -> torch.Tensor:
+        m = EXPERTS_RE.match(name)
+        if not m:
+            return super().get(name)
+        count = sum(1 for n in self.index if n.startswith(m[1] + ".") and n.endswith(f".{m[2]}.weight"))
+        return torch.stack([TensorFiles.get(self, f"{m[1]}.{e}.{m[2]}.weight").T for e in range(count)])
 
 
 def expected_shapes(cfg) -> dict[str, list[int]]:
@@ -508,7 +543,7 @@ def load_at_start(state) -> None:
             what = f"resumed from {step_dir} at step {state.step}"
         elif recipe.checkpoint.init_from_hf:
             hf_dir = recipe.checkpoint.init_from_hf
-            with TensorFiles(hf_dir, check_hf_init(recipe)) as files:
+            with HFTensorFiles(hf_dir, check_hf_init(recipe)) as files:
                 load_params(state.model, files)
             what = f"initialised from Hugging Face weights {hf_dir}"
         else:
@@ -526,8 +561,13 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     """A Hugging Face Llama config.json as a ModelConfig; what this Llama cannot run is refused."""
     def refuse(key: str, why: str) -> RecipeError:
         return RecipeError(f"{where}: {key}={hf.get(key)!r}: {why}")
-    if hf.get("model_type", "llama") != "llama":
-        raise refuse("model_type", "only Llama (model_type 'llama') is supported")
+    kind = hf.get("model_type", "llama")
+    if kind not in ("llama", "mixtral"):
+        raise refuse("model_type", "only Llama and Mixtral (model_type 'llama', 'mixtral') are supported")
+    if kind == "mixtral" and hf.get("sliding_window") is not None:
+        raise refuse("sliding_window", "sliding-window attention is not supported; use null")
+    if kind == "mixtral" and hf.get("router_jitter_noise", 0.0):
+        raise refuse("router_jitter_noise", "router noise is not supported; use 0.0")
     if hf.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "only 'silu' (SwiGLU) is supported")
     for key in ("attention_bias", "mlp_bias"):
@@ -540,24 +580,33 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     if hf.get("attention_dropout", 0.0):
         raise refuse("attention_dropout", "dropout is not supported; use 0.0")
     values = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items()}
+    if kind == "mixtral":
+        values.update({key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()})
     values["num_key_value_heads"] = hf.get("num_key_value_heads") or values["num_attention_heads"]
     values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     try:
         cfg = recipe_from_dict({"model": values}).model
     except RecipeError as e:
         raise RecipeError(f"{where}: {e}") from None
-    if cfg.hidden_size % cfg.num_attention_heads or hf.get("head_dim", cfg.head_dim) != cfg.head_dim:
+    if cfg.hidden_size % cfg.num_attention_heads or (hf.get("head_dim") or cfg.head_dim) != cfg.head_dim:
         raise refuse("head_dim", f"only head_dim = hidden_size / num_attention_heads is supported "
                                  f"({cfg.hidden_size} / {cfg.num_attention_heads})")
     return cfg
 
 
 def hf_config(cfg) -> dict:
-    """config.json for transformers' LlamaForCausalLM."""
-    if cfg.num_local_experts:
-        raise RecipeError(f"model.num_local_experts={cfg.num_local_experts}: a mixture-of-experts model "
-                          f"has no Llama export")
+    """config.json for transformers' LlamaForCausalLM, or MixtralForCausalLM for experts."""
     fields = {key: getattr(cfg, key) for key in LLAMA_KEYS}
+    if cfg.num_local_experts:
+        if cfg.shared_expert_intermediate_size or cfg.moe_layers is not None:
+            raise RecipeError(f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
+                              f"moe_layers={cfg.moe_layers}: Mixtral has experts in every layer and no shared "
+                              f"expert; only such a model exports to Hugging Face")
+        fields.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **fields, "head_dim": cfg.head_dim,
+                "hidden_act": "silu", "attention_dropout": 0.0, "sliding_window": None, "router_jitter_noise": 0.0,
+                "output_router_logits": False, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
             "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
@@ -583,7 +632,7 @@ def hf_index(hf_dir: str, cfg) -> dict[str, str]:
             raise RecipeError(f"{os.path.join(hf_dir, file)} is missing (a shard listed in {HF_INDEX})")
     weight_map = {n: f for n, f in weight_map.items() if not n.endswith("rotary_emb.inv_freq")
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")}
-    check_tensors(hf_dir, weight_map, expected_shapes(cfg))
+    check_tensors(hf_dir, weight_map, hf_shapes(cfg))
     return weight_map
 
 
@@ -612,20 +661,21 @@ def _new_dir(out: str) -> None:
         raise RecipeError(f"OUT={out!r} exists and is not empty; nothing was written; give a new directory")
 
 
-def _model_source(path: str, what: str) -> tuple[ModelConfig, str, dict[str, str]]:
-    """(config, directory, tensor index) of a Hugging Face directory or a dtensor3d
+def _model_source(path: str, what: str) -> tuple[ModelConfig, TensorFiles]:
+    """(config, its tensors by our names) of a Hugging Face directory or a dtensor3d
     checkpoint (step directory, or checkpoint directory meaning its newest); fully checked."""
     if os.path.isfile(os.path.join(path, "config.json")):
         cfg = read_hf_config(path, what)
-        return cfg, path, hf_index(path, cfg)
+        return cfg, HFTensorFiles(path, hf_index(path, cfg))
     step_dir = resolve(path, what)
     record = check_checkpoint(step_dir, None, hashes=True)
-    return _model_config(record, os.path.join(step_dir, STATE)), step_dir, record["tensors"]["model"]
+    return _model_config(record, os.path.join(step_dir, STATE)), TensorFiles(step_dir, record["tensors"]["model"])
 
 
 def export_hf(ckpt: str, out: str, max_shard_bytes: int = 5_000_000_000) -> list[str]:
     """Write config.json and model.safetensors (or shards + index) for transformers."""
-    cfg, step_dir, index = _model_source(ckpt, "CKPT")
+    cfg, source = _model_source(ckpt, "CKPT")
+    step_dir, index = source.root, source.index
     config = hf_config(cfg)
     _new_dir(out)
     tmp = f"{out.rstrip(os.sep)}.tmp-export"
@@ -634,12 +684,14 @@ def export_hf(ckpt: str, out: str, max_shard_bytes: int = 5_000_000_000) -> list
     shards = _shard_names(step_dir, index, max_shard_bytes)
     files = [HF_SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
-    with TensorFiles(step_dir, index) as source:
+    weight_map = {}
+    with source:
         for file, names in zip(files, shards):
-            _save_tensors({n: source.get(n) for n in names}, os.path.join(tmp, file))
+            tensors = {k: v for n in names for k, v in to_hf(n, source.get(n)).items()}
+            _save_tensors(tensors, os.path.join(tmp, file))
+            weight_map.update(dict.fromkeys(tensors, file))
     if len(files) > 1:
         total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
-        weight_map = {n: f for f, names in zip(files, shards) for n in names}
         _write_atomic(os.path.join(tmp, HF_INDEX), json.dumps({"metadata": {"total_size": total},
                                                                "weight_map": weight_map}, indent=1))
     _write_atomic(os.path.join(tmp, "config.json"), json.dumps(config, indent=1))
@@ -675,7 +727,7 @@ def import_hf(hf_dir: str, out: str) -> str:
     name = step_name(0)
     tmp = os.path.join(out, f".tmp-{name}")
     os.makedirs(tmp)
-    with TensorFiles(hf_dir, index) as source:
+    with HFTensorFiles(hf_dir, index) as source:
         _save_tensors({n: source.get(n).contiguous() for n in expected_shapes(cfg)},
                       os.path.join(tmp, "model-stage00.safetensors"))
     seal(tmp, {"step": 0, "source": os.path.abspath(hf_dir), "recipe": Recipe(model=cfg).to_dict()})
@@ -686,12 +738,12 @@ def load_model(path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """A single-device LlamaForCausalLM (forward(input_ids) -> logits [batch, seq, vocab])
     from a dtensor3d checkpoint (step or checkpoint directory) or a Hugging Face Llama
     directory, on the CPU, in eval mode."""
-    cfg, root, index = _model_source(str(path), "load_model")
+    cfg, files = _model_source(str(path), "load_model")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model.to_empty(device="cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    with TensorFiles(root, index) as files:
+    with files:
         load_params(model, files)
     return model.to(dtype).eval()
