@@ -21,6 +21,7 @@ CONFIGS = {
     "dp2_pp2": ["parallelism.dp=2", "parallelism.pp=2"],
     "dp2_tp2_pp2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"],
     "dp2_tp2_recompute": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute_layer=true"],
+    "dp2_tp2_tied_embeddings": ["parallelism.dp=2", "parallelism.tp=2", "model.tie_word_embeddings=true"],
     # Context parallelism (nanotron's key and the short alias).
     "cp2": ["parallelism.context_parallel_size=2"],
     "cp4": ["parallelism.cp=4"],
