@@ -61,11 +61,24 @@ def assert_parity(got: list[dict], ref: list[dict], keys=("loss", "grad_norm")) 
     return worst
 
 
+@pytest.fixture(scope="module")
+def reference(parity_reference, tmp_path_factory):
+    """The 1-process run of the recipe with a config's non-parallelism overrides."""
+    cache = {(): parity_reference}
+
+    def get(overrides: list[str]) -> list[dict]:
+        same_model = tuple(o for o in overrides if not o.startswith("parallelism."))
+        if same_model not in cache:
+            cache[same_model] = train_metrics(tmp_path_factory.mktemp("ref"), 1, list(same_model))
+        return cache[same_model]
+    return get
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_parity(name, parity_reference, tmp_path, record_property):
+def test_parity(name, reference, tmp_path, record_property):
     overrides = CONFIGS[name]
     got = train_metrics(tmp_path, world(overrides), overrides)
-    for key, rel in assert_parity(got, parity_reference).items():
+    for key, rel in assert_parity(got, reference(overrides)).items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
     # The run learned something: the loss falls over the ten steps.
     assert got[-1]["loss"] < got[0]["loss"]
