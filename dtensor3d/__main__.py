@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             print(world // args.nnodes)
         elif args.command == "train":
             world = _env_int("WORLD_SIZE")
-            recipe = load_recipe(args.recipe, args.overrides, world_size=world if world is not None else 1)
+            recipe = load_recipe(args.recipe, args.overrides)
+            if world is None and recipe.parallelism.world_size > 1:
+                raise RecipeError(f"parallelism: the recipe needs {recipe.parallelism.world_size} processes and "
+                                  f"this is one; run it with: bash launch.sh {args.recipe} ...")
+            load_recipe(args.recipe, args.overrides, world_size=world if world is not None else 1)
             _check_checkpoints(recipe, hashes=False)  # sha256 is checked by the ranks together
             from .train import train
             train(recipe)

@@ -260,7 +260,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return keys, value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        raise _fail(f"recipe {path!r} is a directory; pass the path of a YAML recipe, e.g. recipes/3d.yaml")
     if not os.path.isfile(path):
         raise _fail(f"recipe {path!r}: no such file; pass the path of a YAML recipe, e.g. recipes/3d.yaml")
     try:
@@ -269,12 +285,12 @@ def _read_yaml(path: str) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise _fail(f"recipe {path!r} is not UTF-8 text (byte {e.start}); pass a YAML recipe") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise _fail(f"recipe {path!r}{line}: YAML syntax error: {problem}") from None
+        raise _fail(f"recipe {path!r}{line}: YAML error: {problem}") from None
     if raw is None:
         raise _fail(f"recipe {path!r} is empty; expected sections {', '.join(SECTIONS)}")
     if not isinstance(raw, dict):
