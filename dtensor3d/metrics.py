@@ -26,8 +26,14 @@ def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token: 6 * non-embedding params + attention (PaLM's estimate)."""
     h, L = cfg.hidden_size, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * cfg.head_dim
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
-    dense = L * per_layer + h * cfg.vocab_size  # the head counts, the embedding lookup does not
+    ffn = 3 * h * cfg.intermediate_size
+    if cfg.num_local_experts:  # MoE layers: top-k experts, the router and any shared expert per token
+        moe = ffn * cfg.num_experts_per_tok + h * cfg.num_local_experts + 3 * h * cfg.shared_expert_intermediate_size
+        n_moe = L if cfg.moe_layers is None else len(cfg.moe_layers)
+        ffn_total = n_moe * moe + (L - n_moe) * ffn
+    else:
+        ffn_total = L * ffn
+    dense = L * (h * h * 2 + h * kv * 2) + ffn_total + h * cfg.vocab_size  # the head counts, the lookup not
     return 6 * dense + 12 * L * h * seq_len
 
 
@@ -68,6 +74,8 @@ class MetricsLog:
         parts = [f"step {record['step']:>5}", f"loss {record['loss']:.4f}", f"grad_norm {record['grad_norm']:.3f}",
                  f"lr {record['lr']:.2e}", f"tok/s {record['tokens_per_sec']:,.0f}", f"{record['ms_per_step']:.0f} ms",
                  f"mem {record['peak_mem_gib']:.2f} GiB"]
+        if "aux_loss" in record:
+            parts.append(f"aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max_over_mean']:.2f}")
         if record.get("mfu") is not None:
             parts.append(f"mfu {100 * record['mfu']:.1f}%")
         print(" | ".join(parts), file=sys.stdout, flush=True)
