@@ -43,7 +43,9 @@ def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """One grouped matmul where the installed torch has one for this device and dtype, and
     the rows are 16-byte aligned as it requires; else a loop over the experts."""
     aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])
-    return hasattr(torch, "_grouped_mm") and aligned and (x.device.type == "cuda" or x.dtype == torch.float32)
+    # The dtypes each backend's kernel takes (CUDA: bf16 on Hopper-class GPUs; CPU: fp32 seen here).
+    wanted = torch.bfloat16 if x.device.type == "cuda" else torch.float32
+    return hasattr(torch, "_grouped_mm") and aligned and x.dtype == w.dtype == wanted
 
 
 class Experts(nn.Module):
