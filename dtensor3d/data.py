@@ -17,7 +17,7 @@ def synthetic_sample(seed: int, index: int, length: int, vocab_size: int) -> tor
     and stride, so a model that reads its context can drive the loss down."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     start = int(torch.randint(vocab_size, (1,), generator=g))
-    stride = int(torch.randint(1, 17, (1,), generator=g))
+    stride = int(torch.randint(1, 5, (1,), generator=g))
     return (start + stride * torch.arange(length)) % vocab_size
 
 
