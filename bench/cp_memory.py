@@ -22,7 +22,7 @@ PROBE = r"""
 import functools, json, os, sys, torch, torch.distributed as dist
 from dtensor3d.recipe import load_recipe
 from dtensor3d.train import setup, rank_batch
-from dtensor3d.data import make_source
+from dtensor3d.datasets.sources import make_source
 kernel = sys.argv[1]
 recipe = load_recipe(sys.argv[2], sys.argv[3:], world_size=int(os.environ["WORLD_SIZE"]))
 state = setup(recipe)
@@ -55,16 +55,34 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
     import torch
+
     from dtensor3d.parallel.context import attention_pairs, cp_kernel
+
     kernel = cp_kernel(torch.device("cpu")) if args.kernel == "auto" else args.kernel
 
     recipe = os.path.join(ROOT, "tests", "recipes", "parity.yaml")
     rows = []
     for cp in args.cps:
-        overrides = [f"parallelism.cp={cp}", f"training.sequence_length={args.seq}",
-                     f"model.max_position_embeddings={args.seq}", "training.global_batch_size=1"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
-               "--no-python", sys.executable, "-c", PROBE, args.kernel, recipe, *overrides]
+        overrides = [
+            f"parallelism.cp={cp}",
+            f"training.sequence_length={args.seq}",
+            f"model.max_position_embeddings={args.seq}",
+            "training.global_batch_size=1",
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={cp}",
+            "--no-python",
+            sys.executable,
+            "-c",
+            PROBE,
+            args.kernel,
+            recipe,
+            *overrides,
+        ]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
@@ -74,8 +92,9 @@ def main() -> None:
         rows.append((cp, max(per_rank), min(per_rank), max(pairs) / min(pairs)))
         print(f"cp={cp} done", file=sys.stderr, flush=True)
     base = rows[0][1]
-    print(f"sequence {args.seq}, model tests/recipes/parity.yaml, one sequence per microbatch, fp32, "
-          f"cp kernel {kernel}")
+    print(
+        f"sequence {args.seq}, model tests/recipes/parity.yaml, one sequence per microbatch, fp32, cp kernel {kernel}"
+    )
     print(f"{'cp':>3} {'activations/rank MiB (max)':>28} {'min':>8} {'vs cp=1':>8} {'attn pairs max/min':>19}")
     for cp, hi, lo, bal in rows:
         print(f"{cp:>3} {hi / 2**20:>28.1f} {lo / 2**20:>8.1f} {hi / base:>8.3f} {bal:>19.3f}")

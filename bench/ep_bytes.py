@@ -27,7 +27,7 @@ def counting(output, input, *args, **kwargs):
 dist.all_to_all_single = counting  # torch.distributed.nn.functional calls it through the module
 from dtensor3d.recipe import load_recipe
 from dtensor3d.train import setup, train_step, rank_batch
-from dtensor3d.data import make_source
+from dtensor3d.datasets.sources import make_source
 recipe = load_recipe(sys.argv[1], sys.argv[2:], world_size=int(os.environ["WORLD_SIZE"]))
 state = setup(recipe)
 source = make_source(recipe)
@@ -51,25 +51,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     recipe = os.path.join(ROOT, "recipes", "moe.yaml")
-    overrides = [f"parallelism.ep={args.ep}", "parallelism.dp=1", f"training.steps={args.steps}",
-                 "training.device=cpu"]
+    overrides = [f"parallelism.ep={args.ep}", "parallelism.dp=1", f"training.steps={args.steps}", "training.device=cpu"]
     sys.path.insert(0, ROOT)
     from dtensor3d.recipe import load_recipe
+
     r = load_recipe(recipe, overrides)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ep}",
-           "--no-python", sys.executable, "-c", PROBE, recipe, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.ep}",
+        "--no-python",
+        sys.executable,
+        "-c",
+        PROBE,
+        recipe,
+        *overrides,
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         sys.exit(out.stderr[-3000:])
     h, elem = r.model.hidden_size, 4
-    print(f"recipes/moe.yaml at ep={args.ep}: hidden {h}, fp32, top-{r.model.num_experts_per_tok}, "
-          f"{r.model.num_hidden_layers} MoE layers; bytes summed over ranks")
-    print(f"{'step':>4} {'routed slots':>12} {'all-to-all token bytes':>23} {'slots*h*4B*4':>13} {'ratio':>6} {'split-size bytes':>17}")
+    print(
+        f"recipes/moe.yaml at ep={args.ep}: hidden {h}, fp32, top-{r.model.num_experts_per_tok}, "
+        f"{r.model.num_hidden_layers} MoE layers; bytes summed over ranks"
+    )
+    print(
+        f"{'step':>4} {'routed slots':>12} {'all-to-all token bytes':>23} {'slots*h*4B*4':>13} "
+        f"{'ratio':>6} {'split-size bytes':>17}"
+    )
     for row in json.loads(line[7:]):
         expected = row["routed_slots"] * h * elem * 4
-        print(f"{row['step']:>4} {row['routed_slots']:>12} {row['token_bytes']:>23,.0f} {expected:>13,} "
-              f"{row['token_bytes'] / expected:>6.3f} {row['count_bytes']:>17,.0f}")
+        print(
+            f"{row['step']:>4} {row['routed_slots']:>12} {row['token_bytes']:>23,.0f} {expected:>13,} "
+            f"{row['token_bytes'] / expected:>6.3f} {row['count_bytes']:>17,.0f}"
+        )
 
 
 if __name__ == "__main__":

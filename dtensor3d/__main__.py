@@ -46,6 +46,7 @@ def _check_checkpoints(recipe, hashes: bool) -> None:
     c = recipe.checkpoint
     if c.dir or c.resume not in ("auto", "none") or c.init_from_hf:
         from .checkpoint import check_at_door
+
         check_at_door(recipe, hashes)
 
 
@@ -71,32 +72,39 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(getattr(args, "overrides", [])) + extra
         if args.command == "plan":
             from .plan import format_plan
+
             recipe = load_recipe(args.recipe, args.overrides, world_size=args.world)
             print(format_plan(recipe, args.json))
         elif args.command == "validate":
             recipe = load_recipe(args.recipe, args.overrides)
             world = recipe.parallelism.world_size
             if args.nnodes < 1 or world % args.nnodes:
-                raise RecipeError(f"NNODES={args.nnodes}: the world size {world} is not divisible by it; "
-                                  f"valid: a divisor of {world}")
+                raise RecipeError(
+                    f"NNODES={args.nnodes}: the world size {world} is not divisible by it; valid: a divisor of {world}"
+                )
             _check_checkpoints(recipe, hashes=True)
             print(world // args.nnodes)
         elif args.command == "train":
             world = _env_int("WORLD_SIZE")
             recipe = load_recipe(args.recipe, args.overrides)
             if world is None and recipe.parallelism.world_size > 1:
-                raise RecipeError(f"parallelism: the recipe needs {recipe.parallelism.world_size} processes and "
-                                  f"this is one; run it with: bash launch.sh {args.recipe} ...")
+                raise RecipeError(
+                    f"parallelism: the recipe needs {recipe.parallelism.world_size} processes and "
+                    f"this is one; run it with: bash launch.sh {args.recipe} ..."
+                )
             load_recipe(args.recipe, args.overrides, world_size=world if world is not None else 1)
             _check_checkpoints(recipe, hashes=False)  # sha256 is checked by the ranks together
             from .train import train
+
             train(recipe)
         elif args.command == "export-hf":
             from .checkpoint import export_hf
+
             files = export_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_mb * 1e6))
             print(f"wrote {args.out}: config.json, {', '.join(files)}")
         elif args.command == "import-hf":
             from .checkpoint import import_hf
+
             print(f"wrote {import_hf(args.hf_dir, args.out)}")
     except RecipeError as e:
         rank = os.environ.get("RANK", "0")

@@ -48,9 +48,16 @@ STEP_RE = re.compile(r"^step_(\d{8})$")
 HF_SINGLE, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Hugging Face LlamaConfig's defaults, for keys a config.json leaves out.
-HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-               "num_hidden_layers": 32, "num_attention_heads": 32, "rms_norm_eps": 1e-6,
-               "max_position_embeddings": 2048, "tie_word_embeddings": False}
+HF_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
 # ModelConfig fields that a Llama config.json holds under the same name.
 LLAMA_KEYS = (*HF_DEFAULTS, "num_key_value_heads", "rope_theta")
 # ...and the ones a Mixtral config.json adds (with MixtralConfig's defaults).
@@ -60,6 +67,7 @@ EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[1
 
 
 # ---------------------------------------------------------------- files and headers
+
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
@@ -139,7 +147,7 @@ class TensorFiles:
         self.root, self.index, self.handles = root, index, {}
         self.stack = contextlib.ExitStack()
 
-    def __enter__(self) -> "TensorFiles":
+    def __enter__(self) -> TensorFiles:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -191,8 +199,7 @@ def expected_shapes(cfg) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
-def check_tensors(root: str, index: dict[str, str], expected: dict[str, list[int]],
-                  whose: str = "the model") -> None:
+def check_tensors(root: str, index: dict[str, str], expected: dict[str, list[int]], whose: str = "the model") -> None:
     """Every expected tensor is in its file with its shape, and there is nothing else."""
     headers: dict[str, dict] = {}
     for name, shape in expected.items():
@@ -208,11 +215,14 @@ def check_tensors(root: str, index: dict[str, str], expected: dict[str, list[int
             raise RecipeError(f"{path}: {name} has shape {entry['shape']}, {whose} needs {shape}")
     extra = sorted(set(index) - set(expected))
     if extra:
-        raise RecipeError(f"{os.path.join(root, index[extra[0]])}: tensor {extra[0]} is not a parameter "
-                          f"of {whose} ({len(extra)} such tensors)")
+        raise RecipeError(
+            f"{os.path.join(root, index[extra[0]])}: tensor {extra[0]} is not a parameter "
+            f"of {whose} ({len(extra)} such tensors)"
+        )
 
 
 # ---------------------------------------------------------------- finding checkpoints
+
 
 def read_manifest(step_dir: str) -> dict | None:
     """The manifest of a complete step directory; None when it has none (an interrupted save)."""
@@ -243,8 +253,10 @@ def resolve(path: str, what: str) -> str:
         raise RecipeError(f"{what}={path!r}: no such directory; give a step directory or a checkpoint directory")
     if STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, MANIFEST)):
         if read_manifest(path) is None:
-            raise RecipeError(f"{what}={path!r} is incomplete: no readable {MANIFEST} (an interrupted save?); "
-                              f"give a complete step directory")
+            raise RecipeError(
+                f"{what}={path!r} is incomplete: no readable {MANIFEST} (an interrupted save?); "
+                f"give a complete step directory"
+            )
         return path
     found = newest(path)
     if found is None:
@@ -264,20 +276,24 @@ def resume_dir(recipe) -> str | None:
 
 # ---------------------------------------------------------------- checking
 
+
 def check_files(step_dir: str, files: dict, hashes: bool) -> None:
     """Each manifest file is there with its size (and, if `hashes`, its sha256)."""
     for name in sorted(files):
         if os.path.basename(name) != name or not name.endswith((".safetensors", ".json")):
-            raise RecipeError(f"{os.path.join(step_dir, MANIFEST)} lists {name!r}; only safetensors and "
-                              f"JSON files in the step directory are loaded")
+            raise RecipeError(
+                f"{os.path.join(step_dir, MANIFEST)} lists {name!r}; only safetensors and "
+                f"JSON files in the step directory are loaded"
+            )
     for name, info in sorted(files.items()):
         path = os.path.join(step_dir, name)
         if not os.path.isfile(path):
             raise RecipeError(f"checkpoint file {path} is missing (listed in {MANIFEST})")
         size = os.path.getsize(path)
         if size != info.get("bytes"):
-            raise RecipeError(f"checkpoint file {path} has {size} bytes, {MANIFEST} says {info.get('bytes')} "
-                              f"(truncated or changed)")
+            raise RecipeError(
+                f"checkpoint file {path} has {size} bytes, {MANIFEST} says {info.get('bytes')} (truncated or changed)"
+            )
         if hashes and sha256_file(path) != info.get("sha256"):
             raise RecipeError(_corrupt(path))
 
@@ -316,8 +332,10 @@ def check_checkpoint(step_dir: str, cfg, hashes: bool) -> dict:
     for f in dataclasses.fields(ModelConfig):
         mine, theirs = getattr(cfg, f.name), getattr(saved, f.name)
         if mine != theirs:
-            raise RecipeError(f"checkpoint {where}: model.{f.name}={theirs!r} but the recipe has {mine!r}; "
-                              f"resume with the model the checkpoint was saved with")
+            raise RecipeError(
+                f"checkpoint {where}: model.{f.name}={theirs!r} but the recipe has {mine!r}; "
+                f"resume with the model the checkpoint was saved with"
+            )
     return record
 
 
@@ -330,22 +348,26 @@ def _check_optim(step_dir: str, index: dict[str, str], expected: dict[str, list[
     for entry in index:
         param, _, key = entry.rpartition(".")
         if param not in keys:
-            raise RecipeError(f"{os.path.join(step_dir, index[entry])}: optimizer tensor {entry} belongs to "
-                              f"no parameter of the model")
+            raise RecipeError(
+                f"{os.path.join(step_dir, index[entry])}: optimizer tensor {entry} belongs to no parameter of the model"
+            )
         keys[param].add(key)
     first = next(iter(keys))
     for param, got in keys.items():
         if got != keys[first]:
-            raise RecipeError(f"checkpoint {step_dir}: optimizer state of {param} has {sorted(got)}, "
-                              f"of {first} {sorted(keys[first])}")
+            raise RecipeError(
+                f"checkpoint {step_dir}: optimizer state of {param} has {sorted(got)}, of {first} {sorted(keys[first])}"
+            )
     headers: dict[str, dict] = {}
     for entry, file in index.items():
         path = os.path.join(step_dir, file)
         headers.setdefault(path, read_header(path))
         shape = headers[path].get(entry, {}).get("shape")
         if shape not in ([], expected[entry.rpartition(".")[0]]):
-            raise RecipeError(f"{path}: optimizer tensor {entry} has shape {shape}, the model needs "
-                              f"{expected[entry.rpartition('.')[0]]}")
+            raise RecipeError(
+                f"{path}: optimizer tensor {entry} has shape {shape}, the model needs "
+                f"{expected[entry.rpartition('.')[0]]}"
+            )
 
 
 def check_at_door(recipe, hashes: bool) -> None:
@@ -359,6 +381,7 @@ def check_at_door(recipe, hashes: bool) -> None:
 
 
 # ---------------------------------------------------------------- saving
+
 
 def checkpoint_due(recipe, step: int) -> bool:
     c = recipe.checkpoint
@@ -391,10 +414,19 @@ def _state_record(state) -> dict:
     rng = {"cpu": torch.get_rng_state().tolist()}
     if state.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(state.device).tolist()
-    return {"step": state.step, "next_lr": lr_at(state.step, r.optimizer, r.training.steps),
-            "data": {"kind": r.data.kind, "path": r.data.path, "seed": r.training.seed,
-                     "samples_consumed": state.step * r.training.global_batch_size},
-            "rng": rng, "mesh": r.parallelism.dims, "recipe": r.to_dict()}
+    return {
+        "step": state.step,
+        "next_lr": lr_at(state.step, r.optimizer, r.training.steps),
+        "data": {
+            "kind": r.data.kind,
+            "path": r.data.path,
+            "seed": r.training.seed,
+            "samples_consumed": state.step * r.training.global_batch_size,
+        },
+        "rng": rng,
+        "mesh": r.parallelism.dims,
+        "recipe": r.to_dict(),
+    }
 
 
 def seal(step_tmp: str, record: dict) -> None:
@@ -406,9 +438,13 @@ def seal(step_tmp: str, record: dict) -> None:
             index[kind].update({name: file for name in read_header(os.path.join(step_tmp, file))})
     record = {"format": FORMAT, "version": VERSION, **record, "tensors": index}
     _write_atomic(os.path.join(step_tmp, STATE), json.dumps(record, indent=1))
-    files = {f: {"bytes": os.path.getsize(os.path.join(step_tmp, f)), "sha256": sha256_file(os.path.join(step_tmp, f))}
-             for f in sorted(os.listdir(step_tmp))}
-    _write_atomic(os.path.join(step_tmp, MANIFEST), json.dumps({"format": FORMAT, "version": VERSION, "files": files}, indent=1))
+    files = {
+        f: {"bytes": os.path.getsize(os.path.join(step_tmp, f)), "sha256": sha256_file(os.path.join(step_tmp, f))}
+        for f in sorted(os.listdir(step_tmp))
+    }
+    _write_atomic(
+        os.path.join(step_tmp, MANIFEST), json.dumps({"format": FORMAT, "version": VERSION, "files": files}, indent=1)
+    )
     _fsync(step_tmp)
 
 
@@ -431,8 +467,11 @@ def publish(ckpt_dir: str, step_tmp: str, name: str) -> str:
 
 def prune(ckpt_dir: str, step: int, keep: int) -> None:
     """Keep the newest `keep` complete step directories up to `step`; drop leftover temporaries."""
-    done = sorted(e for e in os.listdir(ckpt_dir)
-                  if STEP_RE.match(e) and int(e[5:]) <= step and read_manifest(os.path.join(ckpt_dir, e)))
+    done = sorted(
+        e
+        for e in os.listdir(ckpt_dir)
+        if STEP_RE.match(e) and int(e[5:]) <= step and read_manifest(os.path.join(ckpt_dir, e))
+    )
     for name in done[:-keep]:
         shutil.rmtree(os.path.join(ckpt_dir, name))
     for e in os.listdir(ckpt_dir):
@@ -468,6 +507,7 @@ def save(state) -> str:
 
 
 # ---------------------------------------------------------------- loading
+
 
 @torch.no_grad()
 def copy_full(dst: torch.Tensor, full: torch.Tensor, name: str) -> None:
@@ -557,10 +597,13 @@ def load_at_start(state) -> None:
 
 # ---------------------------------------------------------------- Hugging Face
 
+
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
     """A Hugging Face Llama config.json as a ModelConfig; what this Llama cannot run is refused."""
+
     def refuse(key: str, why: str) -> RecipeError:
         return RecipeError(f"{where}: {key}={hf.get(key)!r}: {why}")
+
     kind = hf.get("model_type", "llama")
     if kind not in ("llama", "mixtral"):
         raise refuse("model_type", "only Llama and Mixtral (model_type 'llama', 'mixtral') are supported")
@@ -589,8 +632,11 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     except RecipeError as e:
         raise RecipeError(f"{where}: {e}") from None
     if cfg.hidden_size % cfg.num_attention_heads or (hf.get("head_dim") or cfg.head_dim) != cfg.head_dim:
-        raise refuse("head_dim", f"only head_dim = hidden_size / num_attention_heads is supported "
-                                 f"({cfg.hidden_size} / {cfg.num_attention_heads})")
+        raise refuse(
+            "head_dim",
+            f"only head_dim = hidden_size / num_attention_heads is supported "
+            f"({cfg.hidden_size} / {cfg.num_attention_heads})",
+        )
     return cfg
 
 
@@ -599,28 +645,56 @@ def hf_config(cfg) -> dict:
     fields = {key: getattr(cfg, key) for key in LLAMA_KEYS}
     if cfg.num_local_experts:
         if cfg.shared_expert_intermediate_size or cfg.moe_layers is not None:
-            raise RecipeError(f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
-                              f"moe_layers={cfg.moe_layers}: Mixtral has experts in every layer and no shared "
-                              f"expert; only such a model exports to Hugging Face")
+            raise RecipeError(
+                f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
+                f"moe_layers={cfg.moe_layers}: Mixtral has experts in every layer and no shared "
+                f"expert; only such a model exports to Hugging Face"
+            )
         fields.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
-        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **fields, "head_dim": cfg.head_dim,
-                "hidden_act": "silu", "attention_dropout": 0.0, "sliding_window": None, "router_jitter_noise": 0.0,
-                "output_router_logits": False, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields, "head_dim": cfg.head_dim,
-            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-            "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True, "torch_dtype": "float32"}
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            **fields,
+            "head_dim": cfg.head_dim,
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "sliding_window": None,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": "float32",
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **fields,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
 
 
 def hf_index(hf_dir: str, cfg) -> dict[str, str]:
     """Tensor name -> safetensors file of a Hugging Face directory, checked against `cfg`."""
     if os.path.isfile(os.path.join(hf_dir, HF_INDEX)):
         weight_map = read_json(os.path.join(hf_dir, HF_INDEX), "index").get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and os.path.basename(f) == f
-                                                       and f.endswith(".safetensors") for f in weight_map.values()):
-            raise RecipeError(f"{os.path.join(hf_dir, HF_INDEX)}: weight_map must map names to safetensors "
-                              f"files in the same directory")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and os.path.basename(f) == f and f.endswith(".safetensors") for f in weight_map.values()
+        ):
+            raise RecipeError(
+                f"{os.path.join(hf_dir, HF_INDEX)}: weight_map must map names to safetensors "
+                f"files in the same directory"
+            )
     elif os.path.isfile(os.path.join(hf_dir, HF_SINGLE)):
         weight_map = {name: HF_SINGLE for name in read_header(os.path.join(hf_dir, HF_SINGLE))}
     else:
@@ -630,8 +704,11 @@ def hf_index(hf_dir: str, cfg) -> dict[str, str]:
     for file in sorted(set(weight_map.values())):
         if not os.path.isfile(os.path.join(hf_dir, file)):
             raise RecipeError(f"{os.path.join(hf_dir, file)} is missing (a shard listed in {HF_INDEX})")
-    weight_map = {n: f for n, f in weight_map.items() if not n.endswith("rotary_emb.inv_freq")
-                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    weight_map = {
+        n: f
+        for n, f in weight_map.items()
+        if not n.endswith("rotary_emb.inv_freq") and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    }
     check_tensors(hf_dir, weight_map, hf_shapes(cfg))
     return weight_map
 
@@ -649,9 +726,11 @@ def check_hf_init(recipe) -> dict[str, str]:
     theirs = read_hf_config(hf_dir, "checkpoint.init_from_hf")
     for f in dataclasses.fields(ModelConfig):
         if getattr(theirs, f.name) != getattr(recipe.model, f.name):
-            raise RecipeError(f"checkpoint.init_from_hf={hf_dir!r}: config.json has {f.name}="
-                              f"{getattr(theirs, f.name)!r} but the recipe has model.{f.name}="
-                              f"{getattr(recipe.model, f.name)!r}; set model.{f.name}: {getattr(theirs, f.name)!r}")
+            raise RecipeError(
+                f"checkpoint.init_from_hf={hf_dir!r}: config.json has {f.name}="
+                f"{getattr(theirs, f.name)!r} but the recipe has model.{f.name}="
+                f"{getattr(recipe.model, f.name)!r}; set model.{f.name}: {getattr(theirs, f.name)!r}"
+            )
     return hf_index(hf_dir, recipe.model)
 
 
@@ -682,8 +761,11 @@ def export_hf(ckpt: str, out: str, max_shard_bytes: int = 5_000_000_000) -> list
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     shards = _shard_names(step_dir, index, max_shard_bytes)
-    files = [HF_SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                                   for i in range(len(shards))]
+    files = (
+        [HF_SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map = {}
     with source:
         for file, names in zip(files, shards):
@@ -692,8 +774,10 @@ def export_hf(ckpt: str, out: str, max_shard_bytes: int = 5_000_000_000) -> list
             weight_map.update(dict.fromkeys(tensors, file))
     if len(files) > 1:
         total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
-        _write_atomic(os.path.join(tmp, HF_INDEX), json.dumps({"metadata": {"total_size": total},
-                                                               "weight_map": weight_map}, indent=1))
+        _write_atomic(
+            os.path.join(tmp, HF_INDEX),
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1),
+        )
     _write_atomic(os.path.join(tmp, "config.json"), json.dumps(config, indent=1))
     if os.path.isdir(out):
         os.rmdir(out)
@@ -728,8 +812,10 @@ def import_hf(hf_dir: str, out: str) -> str:
     tmp = os.path.join(out, f".tmp-{name}")
     os.makedirs(tmp)
     with HFTensorFiles(hf_dir, index) as source:
-        _save_tensors({n: source.get(n).contiguous() for n in expected_shapes(cfg)},
-                      os.path.join(tmp, "model-stage00.safetensors"))
+        _save_tensors(
+            {n: source.get(n).contiguous() for n in expected_shapes(cfg)},
+            os.path.join(tmp, "model-stage00.safetensors"),
+        )
     seal(tmp, {"step": 0, "source": os.path.abspath(hf_dir), "recipe": Recipe(model=cfg).to_dict()})
     return publish(out, tmp, name)
 

@@ -68,22 +68,33 @@ class ParallelContext:
     Exposes `tp_pg`, `pp_pg`, `dp_pg`, `cp_pg`, `ep_pg`, `dp_cp_pg` (ProcessGroups) and
     `world_ranks(axis)` / `<axis>_ranks` (the world ranks of this rank's group)."""
 
-    def __init__(self, tensor_parallel_size: int, pipeline_parallel_size: int,
-                 data_parallel_size: int, context_parallel_size: int = 1,
-                 expert_parallel_size: int = 1, backend: str | None = None):
+    def __init__(
+        self,
+        tensor_parallel_size: int,
+        pipeline_parallel_size: int,
+        data_parallel_size: int,
+        context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        backend: str | None = None,
+    ):
         import torch
         import torch.distributed as dist
 
         from .recipe import ParallelismConfig, RecipeError
 
-        p = ParallelismConfig(dp=data_parallel_size, tp=tensor_parallel_size,
-                              pp=pipeline_parallel_size, cp=context_parallel_size,
-                              ep=expert_parallel_size)
+        p = ParallelismConfig(
+            dp=data_parallel_size,
+            tp=tensor_parallel_size,
+            pp=pipeline_parallel_size,
+            cp=context_parallel_size,
+            ep=expert_parallel_size,
+        )
         if not dist.is_initialized():
             if backend is None:
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 import os
+
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend)
         world = dist.get_world_size()
@@ -111,5 +122,6 @@ class ParallelContext:
 
     def destroy(self) -> None:
         import torch.distributed as dist
+
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -71,11 +71,19 @@ class MetricsLog:
         self.records.append(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        parts = [f"step {record['step']:>5}", f"loss {record['loss']:.4f}", f"grad_norm {record['grad_norm']:.3f}",
-                 f"lr {record['lr']:.2e}", f"tok/s {record['tokens_per_sec']:,.0f}", f"{record['ms_per_step']:.0f} ms",
-                 f"mem {record['peak_mem_gib']:.2f} GiB"]
+        parts = [
+            f"step {record['step']:>5}",
+            f"loss {record['loss']:.4f}",
+            f"grad_norm {record['grad_norm']:.3f}",
+            f"lr {record['lr']:.2e}",
+            f"tok/s {record['tokens_per_sec']:,.0f}",
+            f"{record['ms_per_step']:.0f} ms",
+            f"mem {record['peak_mem_gib']:.2f} GiB",
+        ]
         if "aux_loss" in record:
-            parts.append(f"aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max_over_mean']:.2f}")
+            parts.append(
+                f"aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max_over_mean']:.2f}"
+            )
         if record.get("mfu") is not None:
             parts.append(f"mfu {100 * record['mfu']:.1f}%")
         print(" | ".join(parts), file=sys.stdout, flush=True)
@@ -97,7 +105,8 @@ def write_loss_svg(path: str, points: list[tuple[int, float]], width: int = 640,
     sx = lambda x: pad + (x - x0) / (x1 - x0) * (width - 2 * pad)  # noqa: E731
     sy = lambda y: height - pad - (y - y0) / (y1 - y0) * (height - 2 * pad)  # noqa: E731
     line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
-    svg = f"""<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">
+    svg = f"""<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" \
+font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
 <line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>
 <line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>

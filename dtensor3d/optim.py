@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .parallel.data import local
+from .parallel.shards import local
 
 
 def lr_at(step: int, opt, total_steps: int) -> float:
@@ -37,8 +36,9 @@ def build_optimizer(model_parts: list[nn.Module], opt) -> torch.optim.AdamW:
         for p in part.parameters():
             if p.requires_grad:
                 groups.setdefault((p.ndim >= 2, _mesh_key(p)), []).append(p)
-    param_groups = [{"params": ps, "weight_decay": opt.weight_decay if decay else 0.0}
-                    for (decay, _), ps in groups.items()]
+    param_groups = [
+        {"params": ps, "weight_decay": opt.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()
+    ]
     return torch.optim.AdamW(param_groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
 
 

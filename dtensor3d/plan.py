@@ -18,10 +18,13 @@ def format_plan(recipe, as_json: bool) -> str:
     if as_json:
         return json.dumps(plan)
     p, t = recipe.parallelism, recipe.training
-    lines = [f"world size {plan['world_size']}: " + " ".join(f"{a}={p.dims[a]}" for a in AXES),
-             f"pp_engine {p.pp_engine}, tp_mode {p.tp_mode}, dp_mode {p.dp_mode}, "
-             f"{recipe.num_microbatches} microbatches of {t.micro_batch_size} x {t.sequence_length} tokens per dp rank",
-             "", "rank  " + "  ".join(f"{a:>3}" for a in AXES)]
+    lines = [
+        f"world size {plan['world_size']}: " + " ".join(f"{a}={p.dims[a]}" for a in AXES),
+        f"pp_engine {p.pp_engine}, tp_mode {p.tp_mode}, dp_mode {p.dp_mode}, "
+        f"{recipe.num_microbatches} microbatches of {t.micro_batch_size} x {t.sequence_length} tokens per dp rank",
+        "",
+        "rank  " + "  ".join(f"{a:>3}" for a in AXES),
+    ]
     for rank, c in enumerate(rank_coords(p.dims)):
         lines.append(f"{rank:>4}  " + "  ".join(f"{c[a]:>3}" for a in AXES))
     lines.append("")

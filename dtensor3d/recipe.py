@@ -17,9 +17,7 @@ from typing import Any
 
 import yaml
 
-
-class RecipeError(ValueError):
-    """A wrong recipe or argument; `str(err)` is the one line the user sees."""
+from .errors import RecipeError
 
 
 @dataclass(frozen=True)
@@ -139,13 +137,16 @@ class Recipe:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 _SECTION_CLASSES = {
-    "model": ModelConfig, "parallelism": ParallelismConfig, "training": TrainingConfig,
-    "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
 # nanotron's long names for the short ones we keep.
-ALIASES = {("parallelism", "context_parallel_size"): "cp",
-           ("parallelism", "expert_parallel_size"): "ep"}
+ALIASES = {("parallelism", "context_parallel_size"): "cp", ("parallelism", "expert_parallel_size"): "ep"}
 ENUMS = {
     ("parallelism", "pp_engine"): ("1f1b", "afab"),
     ("parallelism", "tp_mode"): ("ALL_REDUCE", "REDUCE_SCATTER"),
@@ -156,8 +157,15 @@ ENUMS = {
     ("data", "kind"): ("synthetic", "tokens"),
 }
 POSITIVE = {
-    "model": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "max_position_embeddings"),
+    "model": (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    ),
     "parallelism": ("dp", "tp", "pp", "cp", "ep"),
     "training": ("steps", "sequence_length", "global_batch_size", "micro_batch_size"),
     "checkpoint": ("keep",),
@@ -238,8 +246,10 @@ def _build_section(name: str, raw: Any) -> Any:
                 raise _fail(f"{where}={value!r} is not a valid choice; valid: {', '.join(choices)}")
             value = match[0]
         if canon in values and values[canon] != value:
-            raise _fail(f"{where}={value!r} conflicts with {name}.{spelled[canon]}={values[canon]!r} "
-                        f"(aliases of one setting); give one of them")
+            raise _fail(
+                f"{where}={value!r} conflicts with {name}.{spelled[canon]}={values[canon]!r} "
+                f"(aliases of one setting); give one of them"
+            )
         values[canon] = value
         spelled[canon] = key
     return cls(**values)
@@ -268,8 +278,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
-                                                        key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -294,8 +303,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if raw is None:
         raise _fail(f"recipe {path!r} is empty; expected sections {', '.join(SECTIONS)}")
     if not isinstance(raw, dict):
-        raise _fail(f"recipe {path!r} must be a mapping of sections ({', '.join(SECTIONS)}), "
-                    f"not {_type_name(raw)}")
+        raise _fail(f"recipe {path!r} must be a mapping of sections ({', '.join(SECTIONS)}), not {_type_name(raw)}")
     return raw
 
 
@@ -321,8 +329,7 @@ def recipe_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return Recipe(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
 
 
-def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (),
-                world_size: int | None = None) -> Recipe:
+def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None) -> Recipe:
     """Read, override and validate a recipe. Raises RecipeError with one line."""
     recipe = recipe_from_dict(_read_yaml(path), overrides)
     validate(recipe, world_size)
@@ -343,32 +350,48 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
                 raise _fail(f"{section}.{key}={value} must be a positive integer")
     if world_size is not None and p.world_size != world_size:
         sizes = "*".join(f"{v}" for v in p.dims.values())
-        raise _fail(f"parallelism: ep*pp*dp*cp*tp = {sizes} = {p.world_size} but the world size is "
-                    f"{world_size}; choose sizes whose product is {world_size}")
+        raise _fail(
+            f"parallelism: ep*pp*dp*cp*tp = {sizes} = {p.world_size} but the world size is "
+            f"{world_size}; choose sizes whose product is {world_size}"
+        )
     if m.num_attention_heads % p.tp:
-        raise _fail(f"parallelism.tp={p.tp}: model.num_attention_heads={m.num_attention_heads} is not "
-                    f"divisible by tp; valid tp: {_divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))}")
+        raise _fail(
+            f"parallelism.tp={p.tp}: model.num_attention_heads={m.num_attention_heads} is not "
+            f"divisible by tp; valid tp: {_divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))}"
+        )
     if m.num_key_value_heads % p.tp:
-        raise _fail(f"parallelism.tp={p.tp}: model.num_key_value_heads={m.num_key_value_heads} is not "
-                    f"divisible by tp; valid tp: {_divisors(m.num_key_value_heads)}")
+        raise _fail(
+            f"parallelism.tp={p.tp}: model.num_key_value_heads={m.num_key_value_heads} is not "
+            f"divisible by tp; valid tp: {_divisors(m.num_key_value_heads)}"
+        )
     if m.hidden_size % m.num_attention_heads:
-        raise _fail(f"model.hidden_size={m.hidden_size} is not divisible by num_attention_heads="
-                    f"{m.num_attention_heads}; choose a multiple of {m.num_attention_heads}")
+        raise _fail(
+            f"model.hidden_size={m.hidden_size} is not divisible by num_attention_heads="
+            f"{m.num_attention_heads}; choose a multiple of {m.num_attention_heads}"
+        )
     if m.num_attention_heads % m.num_key_value_heads:
-        raise _fail(f"model.num_key_value_heads={m.num_key_value_heads} does not divide num_attention_heads="
-                    f"{m.num_attention_heads}; valid: {_divisors(m.num_attention_heads)}")
+        raise _fail(
+            f"model.num_key_value_heads={m.num_key_value_heads} does not divide num_attention_heads="
+            f"{m.num_attention_heads}; valid: {_divisors(m.num_attention_heads)}"
+        )
     if m.num_local_experts < 0:
         raise _fail(f"model.num_local_experts={m.num_local_experts} must be >= 0 (0: no experts)")
     if m.num_local_experts and not 1 <= m.num_experts_per_tok <= m.num_local_experts:
-        raise _fail(f"model.num_experts_per_tok={m.num_experts_per_tok} must be in 1..num_local_experts="
-                    f"{m.num_local_experts}")
+        raise _fail(
+            f"model.num_experts_per_tok={m.num_experts_per_tok} must be in 1..num_local_experts={m.num_local_experts}"
+        )
     if m.router_aux_loss_coef < 0 or m.shared_expert_intermediate_size < 0:
-        raise _fail(f"model.router_aux_loss_coef={m.router_aux_loss_coef}, shared_expert_intermediate_size="
-                    f"{m.shared_expert_intermediate_size}: both must be >= 0")
-    if m.moe_layers is not None and (not m.num_local_experts or
-                                     any(not 0 <= i < m.num_hidden_layers for i in m.moe_layers)):
-        raise _fail(f"model.moe_layers={list(m.moe_layers)} must list layer indices in 0.."
-                    f"{m.num_hidden_layers - 1} of a model with experts (num_local_experts > 0)")
+        raise _fail(
+            f"model.router_aux_loss_coef={m.router_aux_loss_coef}, shared_expert_intermediate_size="
+            f"{m.shared_expert_intermediate_size}: both must be >= 0"
+        )
+    if m.moe_layers is not None and (
+        not m.num_local_experts or any(not 0 <= i < m.num_hidden_layers for i in m.moe_layers)
+    ):
+        raise _fail(
+            f"model.moe_layers={list(m.moe_layers)} must list layer indices in 0.."
+            f"{m.num_hidden_layers - 1} of a model with experts (num_local_experts > 0)"
+        )
     if m.rms_norm_eps <= 0 or m.rope_theta <= 0:
         raise _fail(f"model.rms_norm_eps={m.rms_norm_eps}, rope_theta={m.rope_theta}: both must be > 0")
     if m.head_dim % 2:
@@ -376,47 +399,68 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     if m.intermediate_size % p.tp:
         raise _fail(f"parallelism.tp={p.tp}: model.intermediate_size={m.intermediate_size} is not divisible by tp")
     if m.vocab_size % p.tp:
-        raise _fail(f"parallelism.tp={p.tp}: model.vocab_size={m.vocab_size} is not divisible by tp; "
-                    f"pad the vocabulary to a multiple of {p.tp}")
+        raise _fail(
+            f"parallelism.tp={p.tp}: model.vocab_size={m.vocab_size} is not divisible by tp; "
+            f"pad the vocabulary to a multiple of {p.tp}"
+        )
     if m.num_hidden_layers < p.pp:
-        raise _fail(f"parallelism.pp={p.pp}: model.num_hidden_layers={m.num_hidden_layers} is fewer than "
-                    f"the pipeline stages; valid pp: 1..{m.num_hidden_layers}")
+        raise _fail(
+            f"parallelism.pp={p.pp}: model.num_hidden_layers={m.num_hidden_layers} is fewer than "
+            f"the pipeline stages; valid pp: 1..{m.num_hidden_layers}"
+        )
     if p.pp_layers is not None:
         if len(p.pp_layers) != p.pp or sum(p.pp_layers) != m.num_hidden_layers or min(p.pp_layers) < 1:
-            raise _fail(f"parallelism.pp_layers={list(p.pp_layers)} must be {p.pp} positive layer counts "
-                        f"summing to num_hidden_layers={m.num_hidden_layers}")
+            raise _fail(
+                f"parallelism.pp_layers={list(p.pp_layers)} must be {p.pp} positive layer counts "
+                f"summing to num_hidden_layers={m.num_hidden_layers}"
+            )
     if m.tie_word_embeddings and p.pp > 1:
-        raise _fail(f"model.tie_word_embeddings=true with parallelism.pp={p.pp}: the embedding and the head "
-                    f"live on different stages; use tie_word_embeddings: false or pp: 1")
+        raise _fail(
+            f"model.tie_word_embeddings=true with parallelism.pp={p.pp}: the embedding and the head "
+            f"live on different stages; use tie_word_embeddings: false or pp: 1"
+        )
     if p.ep > 1 and m.num_local_experts == 0:
-        raise _fail(f"parallelism.ep={p.ep}: the model has no experts (model.num_local_experts=0); "
-                    f"valid ep: 1")
+        raise _fail(f"parallelism.ep={p.ep}: the model has no experts (model.num_local_experts=0); valid ep: 1")
     if p.ep > 1 and m.num_local_experts % p.ep:
-        raise _fail(f"parallelism.ep={p.ep}: model.num_local_experts={m.num_local_experts} is not "
-                    f"divisible by ep; valid ep: {_divisors(m.num_local_experts)}")
+        raise _fail(
+            f"parallelism.ep={p.ep}: model.num_local_experts={m.num_local_experts} is not "
+            f"divisible by ep; valid ep: {_divisors(m.num_local_experts)}"
+        )
     per_step = t.micro_batch_size * p.dp * p.ep
     if t.global_batch_size % per_step:
-        raise _fail(f"training.global_batch_size={t.global_batch_size} is not divisible by "
-                    f"micro_batch_size*dp*ep = {t.micro_batch_size}*{p.dp}*{p.ep} = {per_step}; "
-                    f"use a multiple of {per_step}")
+        raise _fail(
+            f"training.global_batch_size={t.global_batch_size} is not divisible by "
+            f"micro_batch_size*dp*ep = {t.micro_batch_size}*{p.dp}*{p.ep} = {per_step}; "
+            f"use a multiple of {per_step}"
+        )
     if p.pp > 1 and p.pp_engine == "1f1b" and recipe.num_microbatches < p.pp:
-        raise _fail(f"training.global_batch_size={t.global_batch_size} gives {recipe.num_microbatches} "
-                    f"microbatches, fewer than pp={p.pp} under pp_engine 1f1b; use global_batch_size >= "
-                    f"{p.pp * per_step}")
+        raise _fail(
+            f"training.global_batch_size={t.global_batch_size} gives {recipe.num_microbatches} "
+            f"microbatches, fewer than pp={p.pp} under pp_engine 1f1b; use global_batch_size >= "
+            f"{p.pp * per_step}"
+        )
     if p.cp > 1 and t.sequence_length % (2 * p.cp):
-        raise _fail(f"training.sequence_length={t.sequence_length} is not divisible by 2*cp = {2 * p.cp}; "
-                    f"use a multiple of {2 * p.cp}")
+        raise _fail(
+            f"training.sequence_length={t.sequence_length} is not divisible by 2*cp = {2 * p.cp}; "
+            f"use a multiple of {2 * p.cp}"
+        )
     if p.tp_mode == "REDUCE_SCATTER" and t.sequence_length % (p.tp * p.cp):
-        raise _fail(f"training.sequence_length={t.sequence_length} is not divisible by tp*cp = "
-                    f"{p.tp * p.cp} under tp_mode REDUCE_SCATTER; use a multiple of {p.tp * p.cp}")
+        raise _fail(
+            f"training.sequence_length={t.sequence_length} is not divisible by tp*cp = "
+            f"{p.tp * p.cp} under tp_mode REDUCE_SCATTER; use a multiple of {p.tp * p.cp}"
+        )
     if t.sequence_length > m.max_position_embeddings:
-        raise _fail(f"training.sequence_length={t.sequence_length} exceeds model.max_position_embeddings="
-                    f"{m.max_position_embeddings}")
+        raise _fail(
+            f"training.sequence_length={t.sequence_length} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}"
+        )
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise _fail(f"optimizer.lr={o.lr}, min_lr={o.min_lr}: need lr > 0 and 0 <= min_lr <= lr")
     if o.warmup_steps < 0 or o.clip_grad < 0 or o.weight_decay < 0 or o.eps <= 0:
-        raise _fail("optimizer: warmup_steps, clip_grad and weight_decay must be >= 0 and eps > 0 "
-                    f"(got {o.warmup_steps}, {o.clip_grad}, {o.weight_decay}, {o.eps})")
+        raise _fail(
+            "optimizer: warmup_steps, clip_grad and weight_decay must be >= 0 and eps > 0 "
+            f"(got {o.warmup_steps}, {o.clip_grad}, {o.weight_decay}, {o.eps})"
+        )
     if not all(0.0 <= b < 1.0 for b in o.betas):
         raise _fail(f"optimizer.betas={list(o.betas)}: each beta must be in [0, 1)")
     if recipe.data.kind == "tokens" and not recipe.data.path:

@@ -23,15 +23,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from . import checkpoint
-from .data import local_batch, make_source
+from .datasets.sources import make_source
 from .mesh import build_mesh, mesh_axis
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
 from .models.llama import LlamaForCausalLM, init_std
 from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
 from .parallel.context import apply_cp, shard_sequence
-from .parallel.data import allreduce_grads, apply_fsdp, local
+from .parallel.data import allreduce_grads, apply_fsdp, local_batch
 from .parallel.expert import apply_ep, moe_modules
 from .parallel.pipeline import build_schedule, split_stage
+from .parallel.shards import local
 from .parallel.tensor import apply_tp
 
 
@@ -70,8 +71,9 @@ def _free_port() -> int:
 def init_distributed(device_type: str) -> torch.device:
     """Join (or, outside torchrun, create a 1-process) default group; return this rank's device."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -119,7 +121,9 @@ def build_model(recipe, mesh, device: torch.device, coords: dict[str, int]) -> n
         apply_ep(model, mesh["ep"])
     for moe in moe_modules(model):
         moe.stats_group = mesh["cp"].get_group() if p.cp > 1 else None
-        moe.aux_scale = cfg.router_aux_loss_coef / (recipe.training.global_batch_size // recipe.training.micro_batch_size)
+        moe.aux_scale = cfg.router_aux_loss_coef / (
+            recipe.training.global_batch_size // recipe.training.micro_batch_size
+        )
     if p.recompute_layer:
         for block in model.model.layers.values():
             block.recompute = True
@@ -135,8 +139,10 @@ def build_model(recipe, mesh, device: torch.device, coords: dict[str, int]) -> n
 def make_loss_fn(global_tokens: int):
     """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
     and gradients that only need summing across ranks and microbatches."""
+
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
+
     return loss_fn
 
 
@@ -211,14 +217,19 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     _match_grad_placements(state.params)
     if p.dp_mode == "replicate":
         experts = {id(q) for m in moe_modules(state.model) for q in m.experts.parameters()}
-        allreduce_grads([q for q in state.params if id(q) not in experts], mesh_axis(state.mesh, "ep_dp_cp").get_group())
+        allreduce_grads(
+            [q for q in state.params if id(q) not in experts], mesh_axis(state.mesh, "ep_dp_cp").get_group()
+        )
         allreduce_grads([q for q in state.params if id(q) in experts], mesh_axis(state.mesh, "dp_cp").get_group())
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
     # squared grad norm (each copy weighted by 1 / its replication) and the MoE statistics.
     reports_loss = state.is_last_stage and state.coords["tp"] == 0
-    stats = torch.cat([torch.stack([loss_sum * reports_loss,
-                                    grad_sq_partial(state.params, state.norm_weights).to(state.device)]),
-                       _moe_stats(state)])
+    stats = torch.cat(
+        [
+            torch.stack([loss_sum * reports_loss, grad_sq_partial(state.params, state.norm_weights).to(state.device)]),
+            _moe_stats(state),
+        ]
+    )
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
     clip_(state.params, grad_norm, recipe.optimizer.clip_grad)
@@ -230,8 +241,11 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
     if recipe.model.num_local_experts:
         load = stats[3:]
-        metrics.update(aux_loss=stats[2].item(), tokens_per_expert=[int(round(x)) for x in load.tolist()],
-                       expert_load_max_over_mean=(load.max() / load.mean().clamp_min(1e-9)).item())
+        metrics.update(
+            aux_loss=stats[2].item(),
+            tokens_per_expert=[int(round(x)) for x in load.tolist()],
+            expert_load_max_over_mean=(load.max() / load.mean().clamp_min(1e-9)).item(),
+        )
     return metrics
 
 
@@ -277,9 +291,11 @@ def train(recipe) -> list[dict]:
     tokens = t.global_batch_size * t.sequence_length
     fpt, peak = flops_per_token(recipe.model, t.sequence_length), peak_flops(state.device)
     if rank == 0:
-        print(f"dtensor3d: world {dist.get_world_size()} {recipe.parallelism.dims} on {state.device.type}, "
-              f"{sum(local(q).numel() for q in state.model.parameters())} local params on rank 0, {t.steps} steps",
-              flush=True)
+        print(
+            f"dtensor3d: world {dist.get_world_size()} {recipe.parallelism.dims} on {state.device.type}, "
+            f"{sum(local(q).numel() for q in state.model.parameters())} local params on rank 0, {t.steps} steps",
+            flush=True,
+        )
     try:
         while state.step < t.steps:
             start = time.perf_counter()
@@ -287,9 +303,12 @@ def train(recipe) -> list[dict]:
             elapsed = time.perf_counter() - start
             if state.step % recipe.logging.every == 0 or state.step == t.steps:
                 tps = tokens / elapsed
-                metrics.update(tokens_per_sec=tps, ms_per_step=1000 * elapsed,
-                               peak_mem_gib=peak_memory_gib(state.device),
-                               mfu=tps * fpt / (peak * dist.get_world_size()) if peak else None)
+                metrics.update(
+                    tokens_per_sec=tps,
+                    ms_per_step=1000 * elapsed,
+                    peak_mem_gib=peak_memory_gib(state.device),
+                    mfu=tps * fpt / (peak * dist.get_world_size()) if peak else None,
+                )
                 log.log(metrics)
             if checkpoint.checkpoint_due(recipe, state.step):
                 checkpoint.save(state)

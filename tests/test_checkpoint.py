@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from dtensor3d import checkpoint as ck
 from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
-from dtensor3d.data import local_batch, make_source
+from dtensor3d.datasets.sources import make_source
+from dtensor3d.parallel.data import local_batch
 from dtensor3d.recipe import RecipeError, load_recipe
 
 TOL = 1e-5
@@ -37,11 +38,13 @@ DIST_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 # ---------------------------------------------------------------- helpers
 
+
 def cli_process(*args: str) -> subprocess.CompletedProcess:
     """python -m dtensor3d ARGS in a new process (one rank, no torchrun)."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    return subprocess.run([sys.executable, "-m", "dtensor3d", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dtensor3d", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -61,8 +64,11 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def steps_of(ckpt_dir: Path) -> list[str]:
@@ -98,12 +104,14 @@ def batch_tokens(seed_batch: int = 0) -> torch.Tensor:
 
 # ---------------------------------------------------------------- runs shared by the tests
 
+
 @pytest.fixture(scope="module")
 def run_one(tmp_path_factory):
     """1 process, 10 steps, a checkpoint after every step, keep 6."""
     root = tmp_path_factory.mktemp("one")
-    records = train_metrics(root / "run", 1, [f"checkpoint.dir={root / 'ck'}", "checkpoint.interval=1",
-                                              "checkpoint.keep=6"])
+    records = train_metrics(
+        root / "run", 1, [f"checkpoint.dir={root / 'ck'}", "checkpoint.interval=1", "checkpoint.keep=6"]
+    )
     return records, root
 
 
@@ -117,6 +125,7 @@ def run_822(tmp_path_factory):
 
 # ---------------------------------------------------------------- saving, exact resume
 
+
 def test_saving_leaves_training_unchanged(run_one, parity_reference):
     records, _ = run_one
     assert_bitwise_run(records, parity_reference)
@@ -129,8 +138,12 @@ def test_keep_pointer_and_layout(run_one):
     assert (ckpt / "latest").read_text().strip() == "step_00000010"
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]
     step = ckpt / "step_00000010"
-    assert sorted(p.name for p in step.iterdir()) == ["manifest.json", "model-stage00.safetensors",
-                                                      "optim-stage00.safetensors", "state.json"]
+    assert sorted(p.name for p in step.iterdir()) == [
+        "manifest.json",
+        "model-stage00.safetensors",
+        "optim-stage00.safetensors",
+        "state.json",
+    ]
     manifest = json.loads((step / "manifest.json").read_text())
     for name, info in manifest["files"].items():
         assert hashlib.sha256((step / name).read_bytes()).hexdigest() == info["sha256"]
@@ -147,8 +160,9 @@ def test_exact_resume_one_process(run_one, tmp_path):
     records, root = run_one
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
-    resumed = train_metrics(run, 1, [f"checkpoint.dir={tmp_path / 'ck'}",
-                                     f"checkpoint.resume={root / 'ck' / 'step_00000005'}"])
+    resumed = train_metrics(
+        run, 1, [f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.resume={root / 'ck' / 'step_00000005'}"]
+    )
     assert [r["step"] for r in resumed] == list(range(1, 11))
     assert resumed[:5] == records[:5]
     assert_bitwise_run(resumed[5:], records[5:])
@@ -163,17 +177,23 @@ def test_exact_resume_dp2_tp2_pp2(run_822, tmp_path):
     assert steps_of(root / "ck") == ["step_00000005", "step_00000010"]
     step = root / "ck" / "step_00000005"
     assert {p.name for p in step.glob("*.safetensors")} == {
-        "model-stage00.safetensors", "model-stage01.safetensors", "optim-stage00.safetensors", "optim-stage01.safetensors"}
+        "model-stage00.safetensors",
+        "model-stage01.safetensors",
+        "optim-stage00.safetensors",
+        "optim-stage01.safetensors",
+    }
     resumed = train_metrics(tmp_path, 8, MESH_822 + [f"checkpoint.resume={step}"])
     assert_bitwise_run(resumed, records[5:])
 
 
 # ---------------------------------------------------------------- resume on another mesh
 
+
 def test_reshard_one_process_to_tp2_pp2(run_one, tmp_path):
     records, root = run_one
-    got = train_metrics(tmp_path, 4, ["parallelism.tp=2", "parallelism.pp=2",
-                                      f"checkpoint.resume={root / 'ck' / 'step_00000005'}"])
+    got = train_metrics(
+        tmp_path, 4, ["parallelism.tp=2", "parallelism.pp=2", f"checkpoint.resume={root / 'ck' / 'step_00000005'}"]
+    )
     assert_close_run(got, records[5:])
 
 
@@ -186,12 +206,16 @@ def test_reshard_dp2_tp2_pp2_to_one_process(run_822, tmp_path):
 def test_reshard_fsdp_to_replicate(run_822, tmp_path):
     """Saved with FSDP2 (dp_mode shard) across 2 stages, resumed at dp2 replicate, 1 stage."""
     records, root = run_822
-    got = train_metrics(tmp_path, 2, ["parallelism.dp=2", "parallelism.dp_mode=replicate",
-                                      f"checkpoint.resume={root / 'ck' / 'step_00000005'}"])
+    got = train_metrics(
+        tmp_path,
+        2,
+        ["parallelism.dp=2", "parallelism.dp_mode=replicate", f"checkpoint.resume={root / 'ck' / 'step_00000005'}"],
+    )
     assert_close_run(got, records[5:])
 
 
 # ---------------------------------------------------------------- atomicity, finding the newest
+
 
 def test_interrupted_saves_are_never_taken(run_one, tmp_path):
     _, root = run_one
@@ -241,6 +265,7 @@ def test_publish_replaces_and_prune_keeps_newest(tmp_path, run_one):
 
 
 # ---------------------------------------------------------------- nothing unsafe is loaded
+
 
 class Payload:
     """Unpickling this creates `path`: proof that pickle ran."""
@@ -305,6 +330,7 @@ def test_pickle_payload_is_never_executed(run_one, tmp_path):
 
 # ---------------------------------------------------------------- bad checkpoints
 
+
 def _truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 100])
@@ -317,11 +343,18 @@ def _flip(path: Path) -> None:
 
 
 BAD = {
-    "missing-shard": (lambda s: (s / "optim-stage00.safetensors").unlink(), (), ("optim-stage00.safetensors", "missing")),
+    "missing-shard": (
+        lambda s: (s / "optim-stage00.safetensors").unlink(),
+        (),
+        ("optim-stage00.safetensors", "missing"),
+    ),
     "truncated": (lambda s: _truncate(s / "model-stage00.safetensors"), (), ("model-stage00.safetensors", "bytes")),
     "checksum": (lambda s: _flip(s / "model-stage00.safetensors"), (), ("model-stage00.safetensors", "sha256")),
-    "shape": (lambda s: None, ("model.intermediate_size=256",),
-              ("model-stage00.safetensors", "mlp.gate_proj.weight", "[128, 64]", "[256, 64]")),
+    "shape": (
+        lambda s: None,
+        ("model.intermediate_size=256",),
+        ("model-stage00.safetensors", "mlp.gate_proj.weight", "[128, 64]", "[256, 64]"),
+    ),
     "config": (lambda s: None, ("model.rope_theta=500000",), ("state.json", "rope_theta", "10000.0", "500000.0")),
 }
 
@@ -349,8 +382,9 @@ def test_bad_checksum_found_by_the_ranks(run_one, tmp_path):
     shutil.copytree(root / "ck", ckpt)
     _flip(ckpt / "step_00000010" / "optim-stage00.safetensors")
     before = tree_digest(ckpt)
-    proc = cli_process("train", PARITY, f"checkpoint.dir={ckpt}", "training.steps=12",
-                       f"logging.run_dir={tmp_path / 'run'}")
+    proc = cli_process(
+        "train", PARITY, f"checkpoint.dir={ckpt}", "training.steps=12", f"logging.run_dir={tmp_path / 'run'}"
+    )
     line = one_error_line(proc)
     assert "optim-stage00.safetensors" in line and "sha256" in line
     assert "step " not in proc.stdout
@@ -359,9 +393,18 @@ def test_bad_checksum_found_by_the_ranks(run_one, tmp_path):
 
 # ---------------------------------------------------------------- Hugging Face
 
-HF_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+HF_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 
 
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -410,7 +453,10 @@ def test_import_hf_then_export_round_trip(hf_model, tmp_path):
     assert (our_logits(load_model(out), tokens) - hf_logits(model, tokens)).abs().max().item() <= 1e-4
     proc = cli("export-hf", str(out), str(tmp_path / "back"))
     assert proc.returncode == 0, proc.stderr
-    original, back = load_file(root / "single" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = (
+        load_file(root / "single" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
     assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)
 
 
@@ -442,8 +488,11 @@ def test_init_from_hf_on_tp2_pp2(hf_model, tmp_path):
     """init_from_hf at tp2 x pp2: the first step's loss is the Hugging Face model's loss on
     the first global batch (the loss is computed before the first update)."""
     model, root = hf_model
-    got = train_metrics(tmp_path, 4, ["parallelism.tp=2", "parallelism.pp=2", "training.steps=1",
-                                      f"checkpoint.init_from_hf={root / 'single'}"])
+    got = train_metrics(
+        tmp_path,
+        4,
+        ["parallelism.tp=2", "parallelism.pp=2", "training.steps=1", f"checkpoint.init_from_hf={root / 'single'}"],
+    )
     recipe = load_recipe(PARITY)
     inputs, targets = local_batch(recipe, make_source(recipe), 0)
     ref = F.cross_entropy(hf_logits(model, inputs).flatten(0, 1), targets.flatten()).item()
@@ -460,16 +509,19 @@ def test_init_from_hf_checked_at_the_door(hf_model, tmp_path):
     assert cli("validate", PARITY, f"checkpoint.init_from_hf={hf}").returncode == 0
 
 
-@pytest.mark.parametrize("key,value,expect", [
-    ("attention_bias", True, "biases"),
-    ("mlp_bias", True, "biases"),
-    ("hidden_act", "gelu", "silu"),
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "RoPE"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, "RoPE"),
-    ("head_dim", 16, "head_dim"),
-    ("model_type", "mistral", "Llama"),
-    ("attention_dropout", 0.1, "dropout"),
-])
+@pytest.mark.parametrize(
+    "key,value,expect",
+    [
+        ("attention_bias", True, "biases"),
+        ("mlp_bias", True, "biases"),
+        ("hidden_act", "gelu", "silu"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "RoPE"),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, "RoPE"),
+        ("head_dim", 16, "head_dim"),
+        ("model_type", "mistral", "Llama"),
+        ("attention_dropout", 0.1, "dropout"),
+    ],
+)
 def test_unsupported_hf_config_refused(key, value, expect):
     hf = transformers.LlamaConfig(**HF_CONFIG).to_dict()
     assert ck.config_from_hf(hf, "config.json").hidden_size == 64

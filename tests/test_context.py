@@ -7,8 +7,14 @@ import torch
 from conftest import torchrun
 
 from dtensor3d.models.llama import causal_attention
-from dtensor3d.parallel.context import (KERNELS, attention_pairs, cp_kernel, flash_attention, shard_sequence,
-                                        zigzag_positions)
+from dtensor3d.parallel.context import (
+    KERNELS,
+    attention_pairs,
+    cp_kernel,
+    flash_attention,
+    shard_sequence,
+    zigzag_positions,
+)
 
 
 def test_zigzag_layout():
@@ -87,7 +93,8 @@ def test_cp_attention_matches_single_device():
     out = torchrun(4, ["tests/dist_scripts/cp_attention.py"]).stdout
     cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert {(c["cp"], c["kv_heads"], c["kernel"]) for c in cases} == {
-        (cp, kv, kernel) for cp in (2, 4) for kv in (4, 2) for kernel in KERNELS}
+        (cp, kv, kernel) for cp in (2, 4) for kv in (4, 2) for kernel in KERNELS
+    }
     for c in cases:
         for key in ("out", "dq", "dk", "dv"):
             assert c[key] < 1e-5, c

@@ -117,16 +117,33 @@ def test_rank_groups_3d_by_hand():
 
 # ---- real gloo meshes (one 8-rank job for the whole module) -----------------------------
 
+
 @pytest.fixture(scope="module")
 def dist_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh") / "groups.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
-         str(REPO / "tests" / "dist_scripts" / "mesh_groups.py"), str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "8",
+            str(REPO / "tests" / "dist_scripts" / "mesh_groups.py"),
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     assert [r["rank"] for r in report["ranks"]] == list(range(8))
@@ -170,7 +187,7 @@ def test_parallel_context_3d(dist_report):
             assert c[f"{axis}_ranks"] == mine
             # all_reduce of 1 << rank over the group: exactly the members' bits are set.
             assert c[f"{axis}_sum"] == sum(1 << m for m in mine), (axis, rank)
-        assert c["world_sum"] == 2 ** 8 - 1
+        assert c["world_sum"] == 2**8 - 1
         assert c["global_rank"] == rank
         assert c["coords"] == {"ep": 0, "pp": rank // 4, "dp": rank // 2 % 2, "cp": 0, "tp": rank % 2}
         assert c["sizes"] == [2, 2, 2, 1, 1]

@@ -8,8 +8,9 @@ from conftest import torchrun
 
 from dtensor3d.models.moe import MoE, expert_matmul
 
-CFG = SimpleNamespace(hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
-                      shared_expert_intermediate_size=0)
+CFG = SimpleNamespace(
+    hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=0
+)
 
 
 def make_moe(seed=0):
@@ -96,9 +97,25 @@ def test_plan_lists_nanotrons_ep_groups():
     import sys
 
     from conftest import ROOT
-    out = subprocess.run([sys.executable, "-m", "dtensor3d", "plan", "recipes/moe.yaml", "--json",
-                          "parallelism.ep=2", "parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2"],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dtensor3d",
+            "plan",
+            "recipes/moe.yaml",
+            "--json",
+            "parallelism.ep=2",
+            "parallelism.pp=2",
+            "parallelism.dp=2",
+            "parallelism.tp=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     plan = json.loads(out.stdout)
     ep, pp, dp, cp, tp = 2, 2, 2, 1, 2
     assert plan["world_size"] == 16 and plan["dims"] == {"ep": ep, "pp": pp, "dp": dp, "cp": cp, "tp": tp}

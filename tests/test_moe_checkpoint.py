@@ -13,9 +13,21 @@ from safetensors.torch import load_file
 from dtensor3d.checkpoint import load_model
 
 MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
-MIXTRAL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
-               num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-               tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01)
+MIXTRAL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.01,
+)
 
 
 def cli(*args):
@@ -36,15 +48,29 @@ def logits_of(model, x):
 def ep_run(tmp_path_factory):
     """ep2 x dp2 (experts split over ep, FSDP2 over ep x dp for the rest), 6 steps, checkpoint at 3 and 6."""
     root = tmp_path_factory.mktemp("ep")
-    records = train_metrics(root / "run", 4, ["parallelism.ep=2", "parallelism.dp=2", "training.steps=6",
-                                              f"checkpoint.dir={root / 'ck'}", "checkpoint.interval=3"], MOE)
+    records = train_metrics(
+        root / "run",
+        4,
+        [
+            "parallelism.ep=2",
+            "parallelism.dp=2",
+            "training.steps=6",
+            f"checkpoint.dir={root / 'ck'}",
+            "checkpoint.interval=3",
+        ],
+        MOE,
+    )
     return records, root
 
 
 def test_ep_checkpoint_resumes_at_one_process(ep_run, tmp_path):
     records, root = ep_run
-    resumed = train_metrics(tmp_path / "run", 1, ["training.steps=6", f"checkpoint.dir={tmp_path / 'ck'}",
-                                                  f"checkpoint.resume={root / 'ck' / 'step_00000003'}"], MOE)
+    resumed = train_metrics(
+        tmp_path / "run",
+        1,
+        ["training.steps=6", f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.resume={root / 'ck' / 'step_00000003'}"],
+        MOE,
+    )
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for got, ref in zip(resumed, records[3:]):
         for key in ("loss", "grad_norm", "aux_loss"):

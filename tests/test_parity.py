@@ -32,8 +32,13 @@ CONFIGS = {
     "cp2_pp2": ["parallelism.cp=2", "parallelism.pp=2"],
     "cp2_recompute": ["parallelism.cp=2", "parallelism.recompute_layer=true"],
     "dp2_cp2_tp2": ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2"],
-    "pp2_dp2_cp2_tp2": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2",
-                        "parallelism.tp_mode=REDUCE_SCATTER"],
+    "pp2_dp2_cp2_tp2": [
+        "parallelism.pp=2",
+        "parallelism.dp=2",
+        "parallelism.cp=2",
+        "parallelism.tp=2",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+    ],
 }
 
 
@@ -41,8 +46,13 @@ def world(overrides: list[str]) -> int:
     n = 1
     for o in overrides:
         key, value = o.split("=")
-        if key in ("parallelism.dp", "parallelism.tp", "parallelism.pp", "parallelism.cp",
-                   "parallelism.context_parallel_size"):
+        if key in (
+            "parallelism.dp",
+            "parallelism.tp",
+            "parallelism.pp",
+            "parallelism.cp",
+            "parallelism.context_parallel_size",
+        ):
             n *= int(value)
     return n
 
@@ -71,6 +81,7 @@ def reference(parity_reference, tmp_path_factory):
         if same_model not in cache:
             cache[same_model] = train_metrics(tmp_path_factory.mktemp("ref"), 1, list(same_model))
         return cache[same_model]
+
     return get
 
 
@@ -88,7 +99,9 @@ def test_parity_3d_recipe(tmp_path, record_property):
     """recipes/3d.yaml itself (dp4 x pp2 x tp2, 16 ranks) against its 1-process run."""
     recipe = str(ROOT / "recipes" / "3d.yaml")
     common = ["training.steps=10", "training.device=cpu"]
-    ref = train_metrics(tmp_path / "one", 1, common + ["parallelism.dp=1", "parallelism.pp=1", "parallelism.tp=1"], recipe)
+    ref = train_metrics(
+        tmp_path / "one", 1, common + ["parallelism.dp=1", "parallelism.pp=1", "parallelism.tp=1"], recipe
+    )
     got = train_metrics(tmp_path / "sixteen", 16, common, recipe)
     for key, rel in assert_parity(got, ref).items():
         record_property(f"max_rel_{key}", rel)

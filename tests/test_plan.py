@@ -11,8 +11,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def plan(*args):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    return subprocess.run([sys.executable, "-m", "dtensor3d", "plan", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "dtensor3d", "plan", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_plan_json_3d():
@@ -35,8 +41,7 @@ def test_plan_json_3d():
 
 
 def test_plan_json_with_overrides_and_world():
-    p = plan("recipes/3d.yaml", "parallelism.dp=2", "parallelism.context_parallel_size=2",
-             "--world", "16", "--json")
+    p = plan("recipes/3d.yaml", "parallelism.dp=2", "parallelism.context_parallel_size=2", "--world", "16", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["world_size"] == 16
@@ -64,7 +69,7 @@ def test_plan_text_rank_table():
     lines = p.stdout.splitlines()
     assert lines[0] == "world size 16: ep=1 pp=2 dp=4 cp=1 tp=2"
     header = next(i for i, line in enumerate(lines) if line.split() == ["rank", "ep", "pp", "dp", "cp", "tp"])
-    rows = [list(map(int, line.split())) for line in lines[header + 1:header + 17]]
+    rows = [list(map(int, line.split())) for line in lines[header + 1 : header + 17]]
     assert [r[0] for r in rows] == list(range(16))
     for rank, ep, pp, dp, cp, tp in rows:
         assert (ep, pp, dp, cp, tp) == (0, rank // 8, rank // 2 % 4, 0, rank % 2)

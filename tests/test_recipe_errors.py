@@ -17,95 +17,131 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dtensor3d.recipe import (ParallelismConfig, Recipe, RecipeError, load_recipe, parse_override,
-                              recipe_from_dict, validate)
+from dtensor3d.recipe import (
+    ParallelismConfig,
+    Recipe,
+    RecipeError,
+    load_recipe,
+    parse_override,
+    recipe_from_dict,
+    validate,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"3d": REPO / "recipes" / "3d.yaml", "debug": REPO / "recipes" / "debug.yaml"}
-DIST_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "NNODES", "NODE_RANK", "PYTHON")
+DIST_ENV = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NNODES",
+    "NODE_RANK",
+    "PYTHON",
+)
 
 
 @dataclass
 class Case:
     id: str
-    expect: tuple[str, ...]          # substrings the one error line must contain
-    base: str | None = "3d"          # recipe the case starts from (None: `text` is the file)
+    expect: tuple[str, ...]  # substrings the one error line must contain
+    base: str | None = "3d"  # recipe the case starts from (None: `text` is the file)
     edit: dict = field(default_factory=dict)  # {"section.key": value}, applied to the base
-    text: str | None = None          # the file's raw contents (for YAML-level errors)
+    text: str | None = None  # the file's raw contents (for YAML-level errors)
     overrides: tuple[str, ...] = ()
-    command: str = "validate"        # validate | plan | train | launch
-    args: tuple[str, ...] = ()       # extra command-line arguments after the recipe
+    command: str = "validate"  # validate | plan | train | launch
+    args: tuple[str, ...] = ()  # extra command-line arguments after the recipe
     env: dict = field(default_factory=dict)
-    path: str | None = None          # pass this path instead of the written recipe
-    raw_bytes: bytes | None = None   # the file's raw bytes
-    reaches_python: bool = True      # launch.sh: whether it gets as far as `dtensor3d validate`
+    path: str | None = None  # pass this path instead of the written recipe
+    raw_bytes: bytes | None = None  # the file's raw bytes
+    reaches_python: bool = True  # launch.sh: whether it gets as far as `dtensor3d validate`
 
 
 CASES = [
     # -- the world size: ep*pp*dp*cp*tp against the processes there are
     Case("world-plan", ("parallelism", "16", "8"), command="plan", args=("--world", "8")),
-    Case("world-train-env", ("parallelism", "16", "world size is 8"), command="train",
-         env={"WORLD_SIZE": "8"}),
+    Case("world-train-env", ("parallelism", "16", "world size is 8"), command="train", env={"WORLD_SIZE": "8"}),
     Case("world-train-unset", ("parallelism", "16", "launch.sh"), command="train"),
-    Case("world-train-debug", ("parallelism", "world size is 2"), base="debug", command="train",
-         env={"WORLD_SIZE": "2"}),
+    Case(
+        "world-train-debug", ("parallelism", "world size is 2"), base="debug", command="train", env={"WORLD_SIZE": "2"}
+    ),
     Case("world-env-not-int", ("WORLD_SIZE", "abc"), command="train", env={"WORLD_SIZE": "abc"}),
     Case("nnodes-not-divisor", ("NNODES=3", "16"), command="launch", env={"NNODES": "3"}),
-    Case("nnodes-not-int", ("NNODES", "abc"), command="launch", env={"NNODES": "abc"},
-         reaches_python=False),
-    Case("node-rank-out-of-range", ("NODE_RANK", "2", "0..1"), command="launch",
-         env={"NNODES": "2", "NODE_RANK": "2"}, reaches_python=False),
-    Case("rank-env-not-int", ("nope.yaml", "no such file"), base=None, path="nope.yaml",
-         env={"RANK": "x"}),
+    Case("nnodes-not-int", ("NNODES", "abc"), command="launch", env={"NNODES": "abc"}, reaches_python=False),
+    Case(
+        "node-rank-out-of-range",
+        ("NODE_RANK", "2", "0..1"),
+        command="launch",
+        env={"NNODES": "2", "NODE_RANK": "2"},
+        reaches_python=False,
+    ),
+    Case("rank-env-not-int", ("nope.yaml", "no such file"), base=None, path="nope.yaml", env={"RANK": "x"}),
     # -- model shapes against tp / pp
     Case("heads-not-div-tp", ("num_attention_heads=4", "tp=3"), edit={"parallelism.tp": 3}),
-    Case("kv-heads-not-div-tp", ("num_key_value_heads=2", "tp=4"),
-         edit={"model.num_attention_heads": 8, "parallelism.tp": 4}),
-    Case("hidden-not-div-heads", ("hidden_size=66", "num_attention_heads=4"),
-         edit={"model.hidden_size": 66}),
-    Case("heads-not-div-kv", ("num_key_value_heads=3", "num_attention_heads=4"), base="debug",
-         edit={"model.num_key_value_heads": 3}),
+    Case(
+        "kv-heads-not-div-tp",
+        ("num_key_value_heads=2", "tp=4"),
+        edit={"model.num_attention_heads": 8, "parallelism.tp": 4},
+    ),
+    Case("hidden-not-div-heads", ("hidden_size=66", "num_attention_heads=4"), edit={"model.hidden_size": 66}),
+    Case(
+        "heads-not-div-kv",
+        ("num_key_value_heads=3", "num_attention_heads=4"),
+        base="debug",
+        edit={"model.num_key_value_heads": 3},
+    ),
     Case("layers-fewer-than-pp", ("num_hidden_layers=1", "pp=2"), edit={"model.num_hidden_layers": 1}),
     Case("pp-layers-bad-sum", ("pp_layers", "[1, 1]"), edit={"parallelism.pp_layers": [1, 1]}),
-    Case("tied-embeddings-with-pp", ("tie_word_embeddings", "pp=2"),
-         edit={"model.tie_word_embeddings": True}),
-    Case("ep-without-experts", ("ep=2", "num_local_experts=0"),
-         edit={"parallelism.expert_parallel_size": 2}),
+    Case("tied-embeddings-with-pp", ("tie_word_embeddings", "pp=2"), edit={"model.tie_word_embeddings": True}),
+    Case("ep-without-experts", ("ep=2", "num_local_experts=0"), edit={"parallelism.expert_parallel_size": 2}),
     Case("experts-negative", ("num_local_experts", "-1"), edit={"model.num_local_experts": -1}),
     Case("rms-eps-negative", ("rms_norm_eps", "-1"), edit={"model.rms_norm_eps": -1.0}),
     # -- batch and sequence against dp / pp / cp / tp
-    Case("gbs-not-div", ("global_batch_size=12", "micro_batch_size*dp*ep", "8"),
-         edit={"training.global_batch_size": 12}),
-    Case("microbatches-fewer-than-pp", ("global_batch_size=8", "1 microbatches", "pp=2", "1f1b"),
-         edit={"training.global_batch_size": 8}),
-    Case("seq-not-div-2cp", ("sequence_length=66", "2*cp", "4"),
-         edit={"parallelism.context_parallel_size": 2, "training.sequence_length": 66}),
-    Case("seq-not-div-tp-reduce-scatter", ("sequence_length=63", "REDUCE_SCATTER"),
-         edit={"parallelism.tp_mode": "REDUCE_SCATTER", "training.sequence_length": 63}),
+    Case(
+        "gbs-not-div", ("global_batch_size=12", "micro_batch_size*dp*ep", "8"), edit={"training.global_batch_size": 12}
+    ),
+    Case(
+        "microbatches-fewer-than-pp",
+        ("global_batch_size=8", "1 microbatches", "pp=2", "1f1b"),
+        edit={"training.global_batch_size": 8},
+    ),
+    Case(
+        "seq-not-div-2cp",
+        ("sequence_length=66", "2*cp", "4"),
+        edit={"parallelism.context_parallel_size": 2, "training.sequence_length": 66},
+    ),
+    Case(
+        "seq-not-div-tp-reduce-scatter",
+        ("sequence_length=63", "REDUCE_SCATTER"),
+        edit={"parallelism.tp_mode": "REDUCE_SCATTER", "training.sequence_length": 63},
+    ),
     # -- unknown names
-    Case("unknown-key-model", ("model.hiden_size", "did you mean 'hidden_size'"),
-         edit={"model.hiden_size": 64}),
-    Case("unknown-key-parallelism", ("parallelism.recompute_layers", "did you mean 'recompute_layer'"),
-         edit={"parallelism.recompute_layers": True}),
-    Case("unknown-key-training", ("training.sequence_len", "did you mean 'sequence_length'"),
-         edit={"training.sequence_len": 64}),
-    Case("unknown-section-typo", ("modle", "unknown section", "did you mean 'model'"),
-         edit={"modle.hidden_size": 64}),
-    Case("unknown-section", ("tokenizer", "unknown section", "valid: model"),
-         edit={"tokenizer.name": "gpt2"}),
+    Case("unknown-key-model", ("model.hiden_size", "did you mean 'hidden_size'"), edit={"model.hiden_size": 64}),
+    Case(
+        "unknown-key-parallelism",
+        ("parallelism.recompute_layers", "did you mean 'recompute_layer'"),
+        edit={"parallelism.recompute_layers": True},
+    ),
+    Case(
+        "unknown-key-training",
+        ("training.sequence_len", "did you mean 'sequence_length'"),
+        edit={"training.sequence_len": 64},
+    ),
+    Case("unknown-section-typo", ("modle", "unknown section", "did you mean 'model'"), edit={"modle.hidden_size": 64}),
+    Case("unknown-section", ("tokenizer", "unknown section", "valid: model"), edit={"tokenizer.name": "gpt2"}),
     # -- wrong types
     Case("type-str-for-int", ("parallelism.tp='2'", "expected int"), edit={"parallelism.tp": "2"}),
-    Case("type-float-for-int", ("model.hidden_size=64.5", "expected int"),
-         edit={"model.hidden_size": 64.5}),
+    Case("type-float-for-int", ("model.hidden_size=64.5", "expected int"), edit={"model.hidden_size": 64.5}),
     Case("type-bool-for-int", ("training.steps=True", "expected int"), edit={"training.steps": True}),
-    Case("type-list-for-bool", ("parallelism.recompute_layer=[True]", "expected bool"),
-         edit={"parallelism.recompute_layer": [True]}),
+    Case(
+        "type-list-for-bool",
+        ("parallelism.recompute_layer=[True]", "expected bool"),
+        edit={"parallelism.recompute_layer": [True]},
+    ),
     Case("type-str-for-float", ("optimizer.lr='fast'", "expected float"), edit={"optimizer.lr": "fast"}),
-    Case("type-number-for-list", ("optimizer.betas=0.9", "list of two numbers"),
-         edit={"optimizer.betas": 0.9}),
-    Case("type-null-for-str", ("parallelism.pp_engine=None", "expected str"),
-         edit={"parallelism.pp_engine": None}),
+    Case("type-number-for-list", ("optimizer.betas=0.9", "list of two numbers"), edit={"optimizer.betas": 0.9}),
+    Case("type-null-for-str", ("parallelism.pp_engine=None", "expected str"), edit={"parallelism.pp_engine": None}),
     Case("section-not-mapping", ("training=5", "mapping"), edit={"training": 5}),
     Case("lr-nan", ("optimizer.lr", "nan"), edit={"optimizer.lr": float("nan")}),
     # -- non-positive sizes
@@ -121,50 +157,82 @@ CASES = [
     Case("enum-decay", ("decay='exponential'", "cosine"), edit={"optimizer.decay": "exponential"}),
     Case("enum-device", ("device='gpu'", "cuda"), edit={"training.device": "gpu"}),
     # -- nanotron's long names against the short ones
-    Case("cp-alias-conflict", ("context_parallel_size=2", "cp=1"),
-         edit={"parallelism.cp": 1, "parallelism.context_parallel_size": 2}),
-    Case("ep-alias-conflict", ("expert_parallel_size=1", "ep=2"),
-         edit={"parallelism.ep": 2, "parallelism.expert_parallel_size": 1}),
+    Case(
+        "cp-alias-conflict",
+        ("context_parallel_size=2", "cp=1"),
+        edit={"parallelism.cp": 1, "parallelism.context_parallel_size": 2},
+    ),
+    Case(
+        "ep-alias-conflict",
+        ("expert_parallel_size=1", "ep=2"),
+        edit={"parallelism.ep": 2, "parallelism.expert_parallel_size": 1},
+    ),
     # -- the file itself
     Case("missing-file", ("no/such/recipe.yaml", "no such file"), base=None, path="no/such/recipe.yaml"),
     Case("empty-file", ("recipe.yaml", "empty"), base=None, text=""),
     Case("comments-only", ("recipe.yaml", "empty"), base=None, text="# nothing here\n"),
-    Case("yaml-bad-indent", ("recipe.yaml", "line 3", "YAML"), base=None,
-         text="model:\n  hidden_size: 64\n   vocab_size: 256\n"),
-    Case("yaml-unclosed-bracket", ("recipe.yaml", "line 3", "YAML"), base=None,
-         text="model:\n  hidden_size: 64\noptimizer: {betas: [0.9, 0.95}\n"),
+    Case(
+        "yaml-bad-indent",
+        ("recipe.yaml", "line 3", "YAML"),
+        base=None,
+        text="model:\n  hidden_size: 64\n   vocab_size: 256\n",
+    ),
+    Case(
+        "yaml-unclosed-bracket",
+        ("recipe.yaml", "line 3", "YAML"),
+        base=None,
+        text="model:\n  hidden_size: 64\noptimizer: {betas: [0.9, 0.95}\n",
+    ),
     Case("yaml-tab", ("recipe.yaml", "line 2", "YAML"), base=None, text="model:\n\thidden_size: 64\n"),
-    Case("yaml-duplicate-key", ("recipe.yaml", "line 3", "hidden_size", "twice"), base=None,
-         text="model:\n  hidden_size: 64\n  hidden_size: 128\n"),
+    Case(
+        "yaml-duplicate-key",
+        ("recipe.yaml", "line 3", "hidden_size", "twice"),
+        base=None,
+        text="model:\n  hidden_size: 64\n  hidden_size: 128\n",
+    ),
     Case("recipe-is-a-directory", ("recipes", "directory"), base=None, path=str(REPO / "recipes")),
     Case("yaml-python-tag", ("recipe.yaml", "line 1"), base=None, text="model: !!python/object:os.system ls\n"),
     Case("top-level-list", ("recipe.yaml", "mapping", "list"), base=None, text="- model\n- training\n"),
     Case("not-utf8", ("recipe.yaml", "UTF-8"), base=None, raw_bytes=b"model:\n  hidden_size: \xff\xfe\n"),
     # -- overrides
     Case("override-no-equals", ("parallelism.tp", "'='"), overrides=("parallelism.tp",)),
-    Case("override-unknown-key", ("model.hiden_size", "did you mean 'hidden_size'"),
-         overrides=("model.hiden_size=64",)),
+    Case(
+        "override-unknown-key", ("model.hiden_size", "did you mean 'hidden_size'"), overrides=("model.hiden_size=64",)
+    ),
     Case("override-unknown-section", ("trainig", "did you mean 'training'"), overrides=("trainig.steps=3",)),
     Case("override-too-deep", ("model.hidden.size", "section.key"), overrides=("model.hidden.size=64",)),
     Case("override-bad-enum", ("pp_engine='zigzag'", "1f1b"), overrides=("parallelism.pp_engine=zigzag",)),
     Case("override-bad-type", ("training.steps='many'", "expected int"), overrides=("training.steps=many",)),
     Case("override-not-yaml", ("parallelism.dp=[1", "YAML"), overrides=("parallelism.dp=[1",)),
     Case("override-empty-value", ("training.steps", "null"), overrides=("training.steps=",)),
-    Case("override-breaks-check", ("parallelism.tp=3", "num_attention_heads=4"),
-         overrides=("parallelism.tp=3",)),
+    Case("override-breaks-check", ("parallelism.tp=3", "num_attention_heads=4"), overrides=("parallelism.tp=3",)),
     # -- the other commands
-    Case("train-bad-override", ("parallelism.tp=0", "positive"), base="debug", command="train",
-         overrides=("parallelism.tp=0",)),
-    Case("train-unknown-key", ("model.hiden_size", "hidden_size"), base="debug", command="train",
-         edit={"model.hiden_size": 64}),
+    Case(
+        "train-bad-override",
+        ("parallelism.tp=0", "positive"),
+        base="debug",
+        command="train",
+        overrides=("parallelism.tp=0",),
+    ),
+    Case(
+        "train-unknown-key",
+        ("model.hiden_size", "hidden_size"),
+        base="debug",
+        command="train",
+        edit={"model.hiden_size": 64},
+    ),
     Case("plan-bad-world-arg", ("--world", "abc"), command="plan", args=("--world", "abc")),
-    Case("launch-bad-override", ("parallelism.pp_engine='zigzag'",), command="launch",
-         overrides=("parallelism.pp_engine=zigzag",)),
+    Case(
+        "launch-bad-override",
+        ("parallelism.pp_engine='zigzag'",),
+        command="launch",
+        overrides=("parallelism.pp_engine=zigzag",),
+    ),
     Case("launch-missing-file", ("nope.yaml", "no such file"), base=None, path="nope.yaml", command="launch"),
-    Case("launch-bad-recipe", ("num_hidden_layers=1", "pp=2"), command="launch",
-         edit={"model.num_hidden_layers": 1}),
-    Case("launch-no-args", ("no recipe", "launch.sh RECIPE"), base=None, command="launch", path="",
-         reaches_python=False),
+    Case("launch-bad-recipe", ("num_hidden_layers=1", "pp=2"), command="launch", edit={"model.num_hidden_layers": 1}),
+    Case(
+        "launch-no-args", ("no recipe", "launch.sh RECIPE"), base=None, command="launch", path="", reaches_python=False
+    ),
 ]
 
 
@@ -251,22 +319,38 @@ def test_launch_valid_recipe_reaches_torchrun(tmp_path):
     (replaced here by a stand-in that only records its arguments)."""
     log = tmp_path / "calls.log"
     fake = tmp_path / "fake-python"
-    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> "{log}"\n'
-                    f'case "$*" in *torch.distributed.run*) exit 0;; esac\nexec "{sys.executable}" "$@"\n')
+    fake.write_text(
+        f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> "{log}"\n'
+        f'case "$*" in *torch.distributed.run*) exit 0;; esac\nexec "{sys.executable}" "$@"\n'
+    )
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env.update(PYTHON=str(fake), NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="29511")
-    proc = subprocess.run(["bash", str(REPO / "launch.sh"), str(RECIPES["3d"]), "training.steps=2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch.sh"), str(RECIPES["3d"]), "training.steps=2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     run = [c for c in log.read_text().splitlines() if "torch.distributed.run" in c]
     assert len(run) == 1
-    for part in ("--nnodes=2", "--node_rank=1", "--nproc_per_node=8", "--master_addr=10.0.0.1",
-                 "--master_port=29511", "-m dtensor3d train", "training.steps=2"):
+    for part in (
+        "--nnodes=2",
+        "--node_rank=1",
+        "--nproc_per_node=8",
+        "--master_addr=10.0.0.1",
+        "--master_port=29511",
+        "-m dtensor3d train",
+        "training.steps=2",
+    ):
         assert part in run[0], (part, run[0])
 
 
 # ---- positive cases, in process --------------------------------------------------------
+
 
 def test_shipped_recipes_load():
     r3 = load_recipe(str(RECIPES["3d"]), world_size=16)
@@ -312,16 +396,29 @@ def test_override_of_alias_replaces_the_other_spelling():
     # 3d.yaml says context_parallel_size: 1; overriding the short name must win, not conflict.
     r = load_recipe(str(RECIPES["3d"]), ["parallelism.cp=2", "parallelism.dp=2"], world_size=16)
     assert r.parallelism.cp == 2
-    r = load_recipe(str(RECIPES["3d"]), ["parallelism.expert_parallel_size=2", "parallelism.dp=2",
-                                         "model.num_local_experts=2"], world_size=16)
+    r = load_recipe(
+        str(RECIPES["3d"]),
+        ["parallelism.expert_parallel_size=2", "parallelism.dp=2", "model.num_local_experts=2"],
+        world_size=16,
+    )
     assert r.parallelism.ep == 2
 
 
 def test_overrides_parse_yaml_scalars():
-    r = load_recipe(str(RECIPES["debug"]), [
-        "training.steps=20", "optimizer.lr=3e-4", "optimizer.min_lr=0", "parallelism.recompute_layer=true",
-        "data.path=null", "optimizer.betas=[0.8, 0.9]", "parallelism.tp_mode=reduce_scatter",
-        "logging.run_dir=out/x=y", "training.dtype=bfloat16"])
+    r = load_recipe(
+        str(RECIPES["debug"]),
+        [
+            "training.steps=20",
+            "optimizer.lr=3e-4",
+            "optimizer.min_lr=0",
+            "parallelism.recompute_layer=true",
+            "data.path=null",
+            "optimizer.betas=[0.8, 0.9]",
+            "parallelism.tp_mode=reduce_scatter",
+            "logging.run_dir=out/x=y",
+            "training.dtype=bfloat16",
+        ],
+    )
     assert r.training.steps == 20 and isinstance(r.training.steps, int)
     assert r.optimizer.lr == 3e-4 and isinstance(r.optimizer.lr, float)  # YAML 1.1 reads 3e-4 as a string
     assert r.optimizer.min_lr == 0.0 and isinstance(r.optimizer.min_lr, float)
@@ -346,18 +443,20 @@ def test_later_override_wins():
     assert r.training.steps == 7
 
 
-@pytest.mark.parametrize("gbs,mbs,dp,ep,expected", [(16, 2, 4, 1, 2), (8, 1, 1, 1, 8), (32, 2, 2, 2, 4),
-                                                    (6, 3, 2, 1, 1)])
+@pytest.mark.parametrize(
+    "gbs,mbs,dp,ep,expected", [(16, 2, 4, 1, 2), (8, 1, 1, 1, 8), (32, 2, 2, 2, 4), (6, 3, 2, 1, 1)]
+)
 def test_num_microbatches(gbs, mbs, dp, ep, expected):
-    r = Recipe(parallelism=ParallelismConfig(dp=dp, ep=ep),
-               training=dataclasses.replace(Recipe().training, global_batch_size=gbs, micro_batch_size=mbs))
+    r = Recipe(
+        parallelism=ParallelismConfig(dp=dp, ep=ep),
+        training=dataclasses.replace(Recipe().training, global_batch_size=gbs, micro_batch_size=mbs),
+    )
     assert r.num_microbatches == expected
 
 
 def test_afab_allows_fewer_microbatches_than_pp():
     # 1 microbatch with pp=2 is refused under 1f1b (see the cases above) but fine under afab.
-    r = load_recipe(str(RECIPES["3d"]), ["training.global_batch_size=8", "parallelism.pp_engine=afab"],
-                    world_size=16)
+    r = load_recipe(str(RECIPES["3d"]), ["training.global_batch_size=8", "parallelism.pp_engine=afab"], world_size=16)
     assert r.num_microbatches == 1 and r.parallelism.pp_engine == "afab"
 
 
@@ -370,14 +469,24 @@ def test_validate_world_size():
 
 
 def test_valid_edge_values_accepted():
-    r = load_recipe(str(RECIPES["3d"]), [
-        "parallelism.tp_mode=REDUCE_SCATTER", "parallelism.dp=1", "parallelism.cp=4",
-        "training.sequence_length=64", "parallelism.pp_layers=[3, 1]"], world_size=16)
+    r = load_recipe(
+        str(RECIPES["3d"]),
+        [
+            "parallelism.tp_mode=REDUCE_SCATTER",
+            "parallelism.dp=1",
+            "parallelism.cp=4",
+            "training.sequence_length=64",
+            "parallelism.pp_layers=[3, 1]",
+        ],
+        world_size=16,
+    )
     assert r.parallelism.cp == 4 and r.parallelism.pp_layers == (3, 1)
     assert math.isfinite(r.optimizer.lr)
 
 
 def test_validation_imports_no_torch():
-    code = ("import sys, dtensor3d.recipe, dtensor3d.plan, dtensor3d.__main__\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    code = (
+        "import sys, dtensor3d.recipe, dtensor3d.plan, dtensor3d.__main__\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -72,8 +72,9 @@ class Attention(nn.Module):
         self.attention_fn = causal_attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = (rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         if positions is None:  # the whole sequence (it may have been gathered from tp ranks)
             positions = torch.arange(q.shape[2], device=q.device)
         cos, sin = rope_tables(self.head_dim, positions, self.rope_theta)
@@ -135,8 +136,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # A ModuleDict keyed by the global layer index: a pipeline stage drops layers and the
         # rest keep their names (model.layers.7...), like nn.ModuleList's.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, moe=is_moe_layer(cfg, i))
-                                     for i in range(cfg.num_hidden_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, moe=is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)}
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Global positions of this rank's tokens; context parallelism sets them per step.
         self.positions: torch.Tensor | None = None
@@ -166,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model(input_ids)
         return self.lm_head(h) if self.lm_head is not None else h
 
-    def keep_only(self, layers: range, first: bool, last: bool) -> "LlamaForCausalLM":
+    def keep_only(self, layers: range, first: bool, last: bool) -> LlamaForCausalLM:
         """Turn this model into one pipeline stage: `layers` (global indices), plus the
         embedding on the first stage and the final norm and head on the last."""
         for i in list(self.model.layers.keys()):

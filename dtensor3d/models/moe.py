@@ -36,7 +36,9 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: 
     if grouped:
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
-    return torch.cat([xi @ wi for xi, wi in zip(x.split(counts), w.unbind(0))]) if counts else x.new_zeros(0, w.shape[-1])
+    return (
+        torch.cat([xi @ wi for xi, wi in zip(x.split(counts), w.unbind(0))]) if counts else x.new_zeros(0, w.shape[-1])
+    )
 
 
 def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -94,6 +96,7 @@ class MoE(nn.Module):
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
             from .llama import MLP
+
             self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
         self.dispatch = local_dispatch
         self.stats_group = None  # ranks sharing this microbatch's tokens (context parallelism)

@@ -71,8 +71,7 @@ def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return _GatherSequence.apply(x, group, dim)
 
 
-_FLASH_CPU = ("_scaled_dot_product_flash_attention_for_cpu",
-              "_scaled_dot_product_flash_attention_for_cpu_backward")
+_FLASH_CPU = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def cp_kernel(device: torch.device) -> str:
@@ -105,8 +104,10 @@ class _ChunkedCausalAttention(torch.autograd.Function):
         lse = None
         for j, chunk in enumerate(chunks):
             rows = slice(j * size, (j + 1) * size)
-            parts = [flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal)
-                     for keys, causal in _causal_blocks(chunk, size)]
+            parts = [
+                flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal)
+                for keys, causal in _causal_blocks(chunk, size)
+            ]
             if lse is None:
                 lse = parts[0][1].new_empty(b, s, h).transpose(1, 2)
             if len(parts) == 1:
@@ -131,8 +132,16 @@ class _ChunkedCausalAttention(torch.autograd.Function):
             rows = slice(j * size, (j + 1) * size)
             for keys, causal in _causal_blocks(chunk, size):
                 # the merged out and lse make each block's probabilities the global ones
-                gq, gk, gv = flash_backward(grad[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                            out[:, :, rows], lse[:, :, rows], 0.0, causal)
+                gq, gk, gv = flash_backward(
+                    grad[:, :, rows],
+                    q[:, :, rows],
+                    k[:, :, keys],
+                    v[:, :, keys],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    0.0,
+                    causal,
+                )
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
@@ -150,8 +159,10 @@ def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tenso
     seq = k.shape[2]
     expected_k = torch.cat([zigzag_positions(seq, cp, r) for r in range(cp)])
     if not (torch.equal(q_pos.cpu(), zigzag_positions(seq, cp, rank)) and torch.equal(k_pos.cpu(), expected_k)):
-        raise ValueError("cp_attention(kernel='flash') needs the zigzag layout: q_pos = "
-                         "zigzag_positions(S, cp, rank), k_pos = every rank's in rank order")
+        raise ValueError(
+            "cp_attention(kernel='flash') needs the zigzag layout: q_pos = "
+            "zigzag_positions(S, cp, rank), k_pos = every rank's in rank order"
+        )
     k, v = _global_order(k, cp), _global_order(v, cp)
     return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank))
 
@@ -168,8 +179,16 @@ def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tens
 KERNELS = {"flash": flash_attention, "masked": masked_attention}
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
-                 q_pos: torch.Tensor, k_pos: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    kernel: str | None = None,
+) -> torch.Tensor:
     """Exact causal attention for this rank's queries over the whole sequence's keys.
 
     q: [b, h, s_local, d]; k, v: [b, kv_h, s_local, d]; q_pos: [s_local] global positions of
@@ -179,8 +198,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
     if kernel not in KERNELS:
         raise ValueError(f"cp_attention: kernel {kernel!r}; valid: {', '.join(KERNELS)}")
     k, v = gather_sequence(k, group, 2), gather_sequence(v, group, 2)
-    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos,
-                           cp=dist.get_world_size(group), rank=dist.get_rank(group))
+    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos, cp=dist.get_world_size(group), rank=dist.get_rank(group))
 
 
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int, device: torch.device) -> nn.Module:

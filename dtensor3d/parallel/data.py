@@ -11,9 +11,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from .shards import local
 
-def apply_fsdp(model: nn.Module, dp_mesh, expert_mesh=None, reshard_after_forward: bool = True,
-               param_dtype: torch.dtype | None = None) -> nn.Module:
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    expert_mesh=None,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """fully_shard each MoE layer's experts over `expert_mesh` (dp x cp: they are already
     split over ep), each decoder block and then the root (embedding, final norm, head) over
     `dp_mesh` (ep x dp x cp for the dense parameters, which ep replicates)."""
@@ -31,11 +38,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, expert_mesh=None, reshard_after_forwar
     return model
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def allreduce_grads(params: list[nn.Parameter], group) -> None:
     """DDP-style gradient sum over `group`, one coalesced buffer per dtype."""
     if dist.get_world_size(group) == 1:
@@ -50,5 +52,20 @@ def allreduce_grads(params: list[nn.Parameter], group) -> None:
         dist.all_reduce(flat, group=group)
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def sample_indices(recipe, step: int, batch_rank: int, batch_ranks: int) -> list[int]:
+    """Global sample indices of one rank's local batch (all its microbatches, in order)."""
+    t = recipe.training
+    mbs, per_micro = t.micro_batch_size, t.micro_batch_size * batch_ranks
+    base = step * t.global_batch_size
+    n_micro = t.global_batch_size // per_micro
+    return [base + m * per_micro + batch_rank * mbs + j for m in range(n_micro) for j in range(mbs)]
+
+
+def local_batch(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int = 1):
+    """(inputs, targets), each [n_microbatches * micro_batch_size, sequence_length]."""
+    rows = torch.stack([source(i) for i in sample_indices(recipe, step, batch_rank, batch_ranks)])
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

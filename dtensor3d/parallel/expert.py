@@ -28,8 +28,11 @@ def _by_expert(counts: torch.Tensor) -> torch.Tensor:
     """counts [src, local_e] of rows laid out (src, expert)-major; the row order that
     regroups them (expert, src)-major."""
     starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).reshape(counts.shape)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))
-              for e in range(counts.shape[1]) for s in range(counts.shape[0])]
+    pieces = [
+        torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))
+        for e in range(counts.shape[1])
+        for s in range(counts.shape[0])
+    ]
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
@@ -45,8 +48,13 @@ def ep_dispatch(experts: nn.Module, x_sorted: torch.Tensor, counts: torch.Tensor
     dist.all_to_all_single(recv, counts, group=group)
     send_counts, recv_counts = counts.reshape(ep, local_e), recv.reshape(ep, local_e)
     send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    arrived = dist_fn.all_to_all_single(x_sorted.new_empty(sum(recv_splits), x_sorted.shape[1]),
-                                        x_sorted.contiguous(), recv_splits, send_splits, group=group)
+    arrived = dist_fn.all_to_all_single(
+        x_sorted.new_empty(sum(recv_splits), x_sorted.shape[1]),
+        x_sorted.contiguous(),
+        recv_splits,
+        send_splits,
+        group=group,
+    )
     order = _by_expert(recv_counts.cpu()).to(x_sorted.device)
     out = experts(arrived[order], recv_counts.sum(0).tolist())
     back = torch.empty_like(out).index_copy(0, order, out)

@@ -27,8 +27,9 @@ def split_stage(model: nn.Module, stage: int, parallelism, num_layers: int) -> n
     return model.keep_only(layers, first=stage == 0, last=stage == parallelism.pp - 1)
 
 
-def build_schedule(stage_module: nn.Module, stage: int, pp_mesh, device: torch.device,
-                   parallelism, n_microbatches: int, loss_fn):
+def build_schedule(
+    stage_module: nn.Module, stage: int, pp_mesh, device: torch.device, parallelism, n_microbatches: int, loss_fn
+):
     """A PipelineStage for this rank and the schedule named by `pp_engine`.
 
     Gradients are not rescaled by the microbatch count: `loss_fn` already divides by the

@@ -40,24 +40,34 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
     }
     if not moe:
-        layer.update({
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        })
+        layer.update(
+            {
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+            }
+        )
     if sequence_parallel:
         outer["model.norm"] = SequenceParallel()
-        layer.update({
-            "input_layernorm": SequenceParallel(),
-            "post_attention_layernorm": SequenceParallel(),
-            # The block's input arrives sharded on the sequence; gather it before q/k/v.
-            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-        })
+        layer.update(
+            {
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                # The block's input arrives sharded on the sequence; gather it before q/k/v.
+                "self_attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                ),
+            }
+        )
         if moe:
             layer["block_sparse_moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
+            )
         else:
             layer["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return outer, layer
@@ -66,8 +76,7 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
 def apply_tp(model: nn.Module, tp_mesh, parallelism) -> nn.Module:
     """Shard `model` (a whole model or one pipeline stage) over the tp mesh axis."""
     if parallelism.tp_linear_async_communication and tp_mesh.device_type == "cpu":
-        warnings.warn("tp_linear_async_communication has no effect on CPU; running synchronously",
-                      stacklevel=2)
+        warnings.warn("tp_linear_async_communication has no effect on CPU; running synchronously", stacklevel=2)
     sequence_parallel = parallelism.tp_mode == "REDUCE_SCATTER"
     outer, _ = tp_plan(sequence_parallel)
     present = {path: style for path, style in outer.items() if _has_module(model, path)}

@@ -30,19 +30,34 @@ for cp in (2, 4):
         for kernel in KERNELS:
             ql, kl, vl = (shard_sequence(t.detach(), cp, rank, dim=2).requires_grad_() for t in (q, k, v))
             k_pos = torch.cat([zigzag_positions(s, cp, r) for r in range(cp)])
-            out = cp_attention(ql, kl, vl, group=mesh.get_group(), q_pos=zigzag_positions(s, cp, rank),
-                               k_pos=k_pos, kernel=kernel)
+            out = cp_attention(
+                ql, kl, vl, group=mesh.get_group(), q_pos=zigzag_positions(s, cp, rank), k_pos=k_pos, kernel=kernel
+            )
             (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
 
-            errs = torch.tensor([
-                (out - shard_sequence(ref, cp, rank, dim=2)).abs().max(),
-                (ql.grad - shard_sequence(q.grad, cp, rank, dim=2)).abs().max(),
-                (kl.grad - shard_sequence(k.grad, cp, rank, dim=2)).abs().max(),
-                (vl.grad - shard_sequence(v.grad, cp, rank, dim=2)).abs().max(),
-            ])
+            errs = torch.tensor(
+                [
+                    (out - shard_sequence(ref, cp, rank, dim=2)).abs().max(),
+                    (ql.grad - shard_sequence(q.grad, cp, rank, dim=2)).abs().max(),
+                    (kl.grad - shard_sequence(k.grad, cp, rank, dim=2)).abs().max(),
+                    (vl.grad - shard_sequence(v.grad, cp, rank, dim=2)).abs().max(),
+                ]
+            )
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             if dist.get_rank() == 0:
-                print(json.dumps({"cp": cp, "kv_heads": kv_heads, "kernel": kernel, "out": errs[0].item(),
-                                  "dq": errs[1].item(), "dk": errs[2].item(), "dv": errs[3].item(),
-                                  "ref_scale": ref.abs().max().item()}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "cp": cp,
+                            "kv_heads": kv_heads,
+                            "kernel": kernel,
+                            "out": errs[0].item(),
+                            "dq": errs[1].item(),
+                            "dk": errs[2].item(),
+                            "dv": errs[3].item(),
+                            "ref_scale": ref.abs().max().item(),
+                        }
+                    ),
+                    flush=True,
+                )
 dist.destroy_process_group()

@@ -17,8 +17,9 @@ from dtensor3d.parallel.expert import apply_ep
 
 dist.init_process_group("gloo")
 world, rank = dist.get_world_size(), dist.get_rank()
-cfg = SimpleNamespace(hidden_size=16, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2,
-                      shared_expert_intermediate_size=8)
+cfg = SimpleNamespace(
+    hidden_size=16, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=8
+)
 for ep in (2, 4):
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("rest", "ep"))["ep"]
     for forced in (False, True):
@@ -41,8 +42,11 @@ for ep in (2, 4):
         used = int((ref.last_load > 0).sum())
 
         # Expert gradients under ep sum every rank's tokens: compare with the summed reference.
-        errs = [(out_ep - out_ref).abs().max(), (x_ep.grad - x_ref.grad).abs().max(),
-                (moe.gate.weight.grad - ref.gate.weight.grad).abs().max()]
+        errs = [
+            (out_ep - out_ref).abs().max(),
+            (x_ep.grad - x_ref.grad).abs().max(),
+            (moe.gate.weight.grad - ref.gate.weight.grad).abs().max(),
+        ]
         for name in ("w1", "w2", "w3"):
             full = getattr(ref.experts, name).grad.clone()
             dist.all_reduce(full, group=mesh.get_group())
@@ -51,7 +55,16 @@ for ep in (2, 4):
         errs = torch.stack(errs)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
         if rank == 0:
-            print(json.dumps({"ep": ep, "forced": forced, "experts_used": used,
-                              "max_errors": [e.item() for e in errs], "out_scale": out_ref.abs().max().item()}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "ep": ep,
+                        "forced": forced,
+                        "experts_used": used,
+                        "max_errors": [e.item() for e in errs],
+                        "out_scale": out_ref.abs().max().item(),
+                    }
+                ),
+                flush=True,
+            )
 dist.destroy_process_group()

@@ -26,8 +26,10 @@ MESHES = {
 def mesh_report(parallelism) -> dict:
     mesh = build_mesh(parallelism, "cpu")
     names = list(AXES) + list(FLAT_VIEWS)
-    return {"coordinate": list(mesh.get_coordinate()),
-            "groups": {n: dist.get_process_group_ranks(mesh[n].get_group()) for n in names}}
+    return {
+        "coordinate": list(mesh.get_coordinate()),
+        "groups": {n: dist.get_process_group_ranks(mesh[n].get_group()) for n in names},
+    }
 
 
 def bitmask_sum(group) -> int:
@@ -45,13 +47,22 @@ def context_report() -> dict:
         "tp_pg": dist.get_process_group_ranks(pc.tp_pg),
         "pp_pg": dist.get_process_group_ranks(pc.pp_pg),
         "dp_pg": dist.get_process_group_ranks(pc.dp_pg),
-        "tp_ranks": pc.tp_ranks, "pp_ranks": pc.pp_ranks, "dp_ranks": pc.dp_ranks,
-        "tp_sum": bitmask_sum(pc.tp_pg), "pp_sum": bitmask_sum(pc.pp_pg),
-        "dp_sum": bitmask_sum(pc.dp_pg), "world_sum": bitmask_sum(pc.world_pg),
+        "tp_ranks": pc.tp_ranks,
+        "pp_ranks": pc.pp_ranks,
+        "dp_ranks": pc.dp_ranks,
+        "tp_sum": bitmask_sum(pc.tp_pg),
+        "pp_sum": bitmask_sum(pc.pp_pg),
+        "dp_sum": bitmask_sum(pc.dp_pg),
+        "world_sum": bitmask_sum(pc.world_pg),
         "coords": {a: int(c[a]) for a in AXES},
         "global_rank": int(pc.get_global_rank(c["ep"], c["pp"], c["dp"], c["cp"], c["tp"])),
-        "sizes": [pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.data_parallel_size,
-                  pc.context_parallel_size, pc.expert_parallel_size],
+        "sizes": [
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+            pc.data_parallel_size,
+            pc.context_parallel_size,
+            pc.expert_parallel_size,
+        ],
     }
 
 

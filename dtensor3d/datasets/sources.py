@@ -1,9 +1,8 @@
-"""Datasets: the same global batch at every mesh, each rank taking its slice.
+"""Token sources: `make_source(recipe)` returns sample(i) -> the i-th training sample.
 
-Sample `i` of the run is a pure function of (seed, i): step `s` uses samples
-[s * global_batch_size, (s + 1) * global_batch_size). Within a step, microbatch `m` of
-the rank at batch-coordinate `r` (r = ep_rank * dp + dp_rank) holds samples
-m * (dp * ep * mbs) + r * mbs + [0, mbs). Context parallelism later slices the sequence.
+Sample `i` of the run is a pure function of (seed, i), never of the mesh: step `s` uses
+samples [s * global_batch_size, (s + 1) * global_batch_size). Which rank takes which of
+them is data parallelism's business (parallel/data.py).
 """
 
 from __future__ import annotations
@@ -26,14 +25,16 @@ class TokenFile:
     memory-mapped; sample i is the window starting at i * sequence_length (wrapping)."""
 
     def __init__(self, path: str):
-        self.tokens = np.load(path, mmap_mode="r") if path.endswith(".npy") else np.memmap(path, dtype=np.uint16, mode="r")
+        self.tokens = (
+            np.load(path, mmap_mode="r") if path.endswith(".npy") else np.memmap(path, dtype=np.uint16, mode="r")
+        )
 
     def sample(self, index: int, length: int) -> torch.Tensor:
         n = len(self.tokens) - length
         if n <= 0:
             raise ValueError(f"token file has {len(self.tokens)} tokens, fewer than one sample of {length}")
         start = (index * (length - 1)) % n
-        return torch.from_numpy(np.asarray(self.tokens[start:start + length], dtype=np.int64))
+        return torch.from_numpy(np.asarray(self.tokens[start : start + length], dtype=np.int64))
 
 
 def make_source(recipe):
@@ -44,18 +45,3 @@ def make_source(recipe):
         tf = TokenFile(d.path)
         return lambda i: tf.sample(i, length)
     return lambda i: synthetic_sample(t.seed, i, length, recipe.model.vocab_size)
-
-
-def sample_indices(recipe, step: int, batch_rank: int, batch_ranks: int) -> list[int]:
-    """Global sample indices of one rank's local batch (all its microbatches, in order)."""
-    t = recipe.training
-    mbs, per_micro = t.micro_batch_size, t.micro_batch_size * batch_ranks
-    base = step * t.global_batch_size
-    n_micro = t.global_batch_size // per_micro
-    return [base + m * per_micro + batch_rank * mbs + j for m in range(n_micro) for j in range(mbs)]
-
-
-def local_batch(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int = 1):
-    """(inputs, targets), each [n_microbatches * micro_batch_size, sequence_length]."""
-    rows = torch.stack([source(i) for i in sample_indices(recipe, step, batch_rank, batch_ranks)])
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -1,0 +1,1 @@
+"""Data: token sources (synthetic, token files, prepared token directories) and prepare-data."""

@@ -1,0 +1,40 @@
+"""Full tensors and this rank's shards: the one path by which init, checkpoint loading and
+Hugging Face import put whole tensors into a parallelised model.
+
+A parameter is either a plain tensor (every rank holds it whole) or a DTensor (tp, ep,
+fsdp: this rank holds a slice). `copy_full_` takes the whole tensor, as a one-process run
+would have it, and keeps this rank's slice; that is what makes init and checkpoints
+topology-independent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_shape_mismatch(dst: torch.Tensor, full: torch.Tensor) -> bool:
+    return list(full.shape) != list(dst.shape)
+
+
+@torch.no_grad()
+def copy_full_(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's slice of `full` (the whole tensor, any device/dtype) into `dst`, a
+    DTensor or a plain tensor of the same global shape. No communication: every rank holds
+    `full` and cuts its own piece (`src_data_rank=None`)."""
+    if full_shape_mismatch(dst, full):
+        raise ValueError(f"full tensor of shape {list(full.shape)} for a tensor of shape {list(dst.shape)}")
+    full = full.to(device=local(dst).device, dtype=dst.dtype)
+    if isinstance(dst, DTensor):
+        full = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+    local(dst).copy_(full)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the CPU (a collective over its mesh when it is a DTensor)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().contiguous()
