@@ -1,0 +1,24 @@
+"""Single-device models (no torch.distributed here): Llama and its mixture-of-experts variant."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .llama import LlamaForCausalLM
+
+
+def build_on_meta(cfg, **kwargs) -> LlamaForCausalLM:
+    """The whole model on the meta device: shapes only, no memory. Parallelise it, then
+    `materialize` it."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg, **kwargs)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate (uninitialised) storage for a meta model on `device` and re-tie the head to
+    the embedding where the config ties them (`to_empty` unties them)."""
+    model.to_empty(device=device)
+    if model.cfg.tie_word_embeddings and model.lm_head is not None and model.model.embed_tokens is not None:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
