@@ -19,7 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = r"""
-import functools, json, os, sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 from dtensor3d.recipe import load_recipe
 from dtensor3d.train import setup, rank_batch
 from dtensor3d.datasets.sources import make_source
@@ -27,8 +27,8 @@ kernel = sys.argv[1]
 recipe = load_recipe(sys.argv[2], sys.argv[3:], world_size=int(os.environ["WORLD_SIZE"]))
 state = setup(recipe)
 if kernel != "auto" and recipe.parallelism.cp > 1:
-    for attn in (m for m in state.model.modules() if hasattr(m, "attention_fn")):
-        attn.attention_fn = functools.partial(attn.attention_fn, kernel=kernel)
+    from dtensor3d.parallel import context
+    context.cp_kernel = lambda device: kernel  # force the kernel (cp_attention asks cp_kernel)
 inputs, targets = rank_batch(state, make_source(recipe), 0)
 mbs = recipe.training.micro_batch_size
 seen = {}

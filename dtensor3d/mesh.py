@@ -62,6 +62,36 @@ def mesh_axis(mesh, name: str):
     return mesh[name]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device_type: str):
+    """Join the default process group (or, outside torchrun, create a 1-process one);
+    return this rank's device. gloo on CPU; nccl for CUDA tensors (gloo for CPU ones)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        single = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(single)
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "cuda:nccl,cpu:gloo"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return device
+
+
 class ParallelContext:
     """nanotron's ParallelContext, backed by a DeviceMesh.
 
@@ -80,7 +110,8 @@ class ParallelContext:
         import torch
         import torch.distributed as dist
 
-        from .recipe import ParallelismConfig, RecipeError
+        from .errors import EnvError
+        from .recipe import ParallelismConfig
 
         p = ParallelismConfig(
             dp=data_parallel_size,
@@ -89,17 +120,12 @@ class ParallelContext:
             cp=context_parallel_size,
             ep=expert_parallel_size,
         )
-        if not dist.is_initialized():
-            if backend is None:
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                import os
-
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        init_distributed("cuda" if backend == "nccl" else "cpu")
         world = dist.get_world_size()
         if p.world_size != world:
-            raise RecipeError(f"ParallelContext: ep*pp*dp*cp*tp = {p.world_size} but the world size is {world}")
+            raise EnvError(f"ParallelContext: ep*pp*dp*cp*tp = {p.world_size} but the world size is {world}")
         self.parallelism = p
         self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.mesh = build_mesh(p, self.device_type)

@@ -66,6 +66,73 @@ class ParallelismConfig:
     def world_size(self) -> int:
         return math.prod(self.dims.values())
 
+    # Named facts about the mesh: every other file asks these instead of re-deriving them.
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and different tokens (FSDP's dense group size / ep)."""
+        return self.dp * self.cp
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that split the global batch by samples: ep x dp."""
+        return self.ep * self.dp
+
+    def batch_rank(self, coords: dict[str, int]) -> int:
+        """This rank's index among the `batch_ranks` (ep-major, as in the rank matrix)."""
+        return coords["ep"] * self.dp + coords["dp"]
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 shards parameters over ep x dp x cp (dense) and dp x cp (experts)."""
+        return self.dp_mode == "shard" and self.ep * self.dp_cp > 1
+
+    @property
+    def replicate_enabled(self) -> bool:
+        """Gradients are all-reduced over ep x dp x cp (dense) and dp x cp (experts)."""
+        return self.dp_mode == "replicate" and self.ep * self.dp_cp > 1
+
+    @property
+    def fsdp_reshard_after_forward(self) -> bool:
+        """A pipeline stage keeps its parameters gathered between a microbatch's forward and backward."""
+        return not self.pp_enabled
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp_mode == "REDUCE_SCATTER"
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Logits stay sharded on the vocabulary over tp; the loss is computed on the shards."""
+        return self.tp_enabled
+
+    @property
+    def recompute(self) -> str:
+        """Activation checkpointing of each decoder layer: "full" or "none"."""
+        return "full" if self.recompute_layer else "none"
+
+    @property
+    def sequence_divisor(self) -> int:
+        """sequence_length must be a multiple of this: 2*cp zig-zag chunks, and tp*cp under
+        sequence parallelism."""
+        divisor = 2 * self.cp if self.cp_enabled else 1
+        return math.lcm(divisor, self.tp * self.cp) if self.sequence_parallel else divisor
+
 
 @dataclass(frozen=True)
 class TrainingConfig:
@@ -123,8 +190,9 @@ class Recipe:
 
     @property
     def num_microbatches(self) -> int:
+        """Microbatches per optimizer step on each of the ep x dp batch ranks."""
         p, t = self.parallelism, self.training
-        return t.global_batch_size // (t.micro_batch_size * p.dp * p.ep)
+        return t.global_batch_size // (t.micro_batch_size * p.batch_ranks)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -330,8 +398,12 @@ def recipe_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 
 def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None) -> Recipe:
-    """Read, override and validate a recipe. Raises RecipeError with one line."""
-    recipe = recipe_from_dict(_read_yaml(path), overrides)
+    """Read, override and validate a recipe (or a nanotron config, mapped by nanotron.py).
+    Raises RecipeError with one line."""
+    raw = _read_yaml(path)
+    from .nanotron import is_nanotron, load_nanotron  # nanotron.py imports this module
+
+    recipe = load_nanotron(raw, overrides) if is_nanotron(raw) else recipe_from_dict(raw, overrides)
     validate(recipe, world_size)
     return recipe
 

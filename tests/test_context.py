@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import torchrun
 
-from dtensor3d.models.llama import causal_attention
+from dtensor3d.models.layers import causal_attention
 from dtensor3d.parallel.context import (
     KERNELS,
     attention_pairs,

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import torch
 from conftest import torchrun
 
+from dtensor3d.models.layers import ModelHooks
 from dtensor3d.models.moe import MoE, expert_matmul
 
 CFG = SimpleNamespace(
@@ -13,9 +14,9 @@ CFG = SimpleNamespace(
 )
 
 
-def make_moe(seed=0):
+def make_moe(seed=0, hooks=None):
     torch.manual_seed(seed)
-    moe = MoE(CFG)
+    moe = MoE(CFG, hooks)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return moe
@@ -53,9 +54,8 @@ def test_balance_loss_is_mixtrals():
 
 
 def test_aux_loss_reaches_the_router_through_the_gradient():
-    moe = make_moe()
+    moe = make_moe(hooks=ModelHooks(aux_loss_scale=0.5))
     x = torch.randn(2, 6, 16)
-    moe.aux_scale = 0.5
     out = moe(x)
     torch.testing.assert_close(out, make_moe()(x))  # the forward output is unchanged
     (out * 0).sum().backward()  # no gradient from the output: the router's is the aux term's alone

@@ -5,18 +5,19 @@ shared expert sees every token. A switch-style load-balancing loss is added thro
 gradient (`AddAuxLoss`), so the forward output is unchanged and any pipeline stage can hold
 MoE layers.
 
-Single-device code: expert parallelism swaps `dispatch` (the function that runs the
-routed tokens through the experts) and, under context parallelism, `stats_group` (the
-ranks that share this microbatch's routing statistics) from outside.
+Single-device code. What a parallelism changes comes in through `ModelHooks`
+(models/layers.py): expert parallelism's `expert_dispatch` (the route of the sorted tokens
+to the experts) and context parallelism's `sequence.sum_over_sequence` (the routing
+statistics of a sequence spread over several ranks).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
+
+from .layers import MLP, ModelHooks
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -88,61 +89,61 @@ class AddAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, hooks: ModelHooks | None = None):
         super().__init__()
+        self.hooks = hooks or ModelHooks()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
-            from .llama import MLP
-
             self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
-        self.dispatch = local_dispatch
-        self.stats_group = None  # ranks sharing this microbatch's tokens (context parallelism)
-        # Gradient scale of the aux loss: coef / microbatches per global batch (set by the trainer).
-        self.aux_scale = 0.0
         # Statistics: the last forward's (detached), and one (aux, load) record per real
         # forward (`record` is called by the decoder layer, not by recomputation). The
-        # trainer reads the last n-microbatches records: a pipeline stage's first step
-        # also runs a metadata-inference forward on uninitialised tensors.
+        # trainer takes the last n-microbatches records (`take_records`): a pipeline
+        # stage's first step also runs a metadata-inference forward.
         self.last_aux = self.last_load = None
-        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._records: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def record(self) -> None:
         if self.last_aux is not None:
-            self.records.append((self.last_aux, self.last_load))
+            self._records.append((self.last_aux, self.last_load))
             self.last_aux = self.last_load = None
+
+    def take_records(self, last: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (aux loss, tokens per expert) of the last `last` recorded forwards; clears them."""
+        out = self._records[-last:] if last else []
+        self._records.clear()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
+        x = x.reshape(-1, shape[-1])  # [T, h]
         probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        flat = chosen.reshape(-1)
+        flat = chosen.reshape(-1)  # [T * k]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        routed = self.dispatch(self.experts, x[order // self.top_k], counts)
+        dispatch = self.hooks.expert_dispatch or local_dispatch
+        routed = dispatch(self.experts, x[order // self.top_k], counts)  # [T * k, h]
         out = torch.zeros_like(x).index_add_(0, order // self.top_k, routed * weights.reshape(-1, 1)[order])
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        aux = self._balance_loss(probs, chosen, counts)
-        if torch.is_grad_enabled() and self.aux_scale:
-            out = AddAuxLoss.apply(out, aux, self.aux_scale)
+        aux = self._balance_loss(probs, counts)
+        if torch.is_grad_enabled() and self.hooks.aux_loss_scale:
+            out = AddAuxLoss.apply(out, aux, self.hooks.aux_loss_scale)
         return out.reshape(shape)
 
-    def _balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Switch-style loss over the microbatch's whole token set, as Hugging Face Mixtral
         computes it: E * sum_e f_e * P_e, f_e = routed slots of expert e per token, P_e the
         mean router probability of e. Returns the part this rank backpropagates."""
-        stats = torch.cat([counts.to(probs.dtype), probs.new_tensor([probs.shape[0]])])
-        prob_sum, share = probs.sum(0), 1
-        if self.stats_group is not None:  # context parallelism: the tokens are spread out
-            dist.all_reduce(stats, group=self.stats_group)
-            prob_sum = dist_fn.all_reduce(prob_sum, group=self.stats_group)
-            share = dist.get_world_size(self.stats_group)  # all_reduce's backward sums the ranks
-        tokens = stats[-1]
-        aux = self.num_experts * ((stats[:-1] / tokens) * (prob_sum / tokens)).sum()
+        sums = torch.cat([counts.to(probs.dtype), probs.new_tensor([probs.shape[0]]), probs.sum(0)])
+        # Context parallelism: the sequence's tokens are spread over ranks; sum their statistics.
+        sums, share = self.hooks.sequence.sum_over_sequence(sums)
+        e = self.num_experts
+        slots, tokens, prob_sum = sums[:e].detach(), sums[e].detach(), sums[e + 1 :]
+        aux = e * ((slots / tokens) * (prob_sum / tokens)).sum()
         self.last_aux, self.last_load = aux.detach(), counts.detach().float()
-        return aux / share
+        return aux / share  # the sum's backward adds every rank's share

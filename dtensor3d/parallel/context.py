@@ -21,13 +21,13 @@ serves CPU and GPU, with two kernels behind one switch, `cp_kernel(device)`:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
-from torch import nn
 from torch.autograd.function import once_differentiable
+
+from ..models.layers import SequenceLayout
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -201,16 +201,41 @@ def cp_attention(
     return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos, cp=dist.get_world_size(group), rank=dist.get_rank(group))
 
 
-def apply_cp(model: nn.Module, cp_mesh, seq_len: int, device: torch.device) -> nn.Module:
-    """Give every attention layer the cp kernel and the model its tokens' global positions."""
-    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    q_pos = zigzag_positions(seq_len, cp, rank).to(device)
-    k_pos = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)]).to(device)
-    model.model.positions = q_pos
-    kernel = functools.partial(cp_attention, group=cp_mesh.get_group(), q_pos=q_pos, k_pos=k_pos)
-    for block in model.model.layers.values():
-        block.self_attn.attention_fn = kernel
-    return model
+class ContextParallelLayout(SequenceLayout):
+    """The model's `SequenceLayout` under context parallelism: this rank holds the zig-zag
+    chunks of every sequence, attends over K/V gathered from the cp group, and sums the MoE
+    routing statistics over it. Handed to the model at construction (`ModelHooks.sequence`)."""
+
+    def __init__(self, cp_mesh, seq_len: int, device: torch.device):
+        cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.group, self.cp = cp_mesh.get_group(), cp
+        self.q_pos = zigzag_positions(seq_len, cp, rank).to(device)
+        self.k_pos = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)]).to(device)
+
+    def positions(self, n_tokens: int, device: torch.device) -> torch.Tensor:
+        if n_tokens != len(self.q_pos):
+            raise ValueError(f"context parallelism: {n_tokens} tokens on this rank, the layout has {len(self.q_pos)}")
+        return self.q_pos.to(device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp_attention(q, k, v, group=self.group, q_pos=self.q_pos, k_pos=self.k_pos)
+
+    def sum_over_sequence(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return dist_fn.all_reduce(t, group=self.group), self.cp
+
+
+def sequence_layout(parallelism, mesh, seq_len: int, device: torch.device) -> SequenceLayout:
+    """The layout the model is built with: context-parallel when cp > 1, else the default."""
+    if not parallelism.cp_enabled:
+        return SequenceLayout()
+    return ContextParallelLayout(mesh["cp"], seq_len, device)
+
+
+def shard_batch(batch: tuple[torch.Tensor, ...], parallelism, coords: dict[str, int]) -> tuple[torch.Tensor, ...]:
+    """Step time: this cp rank's tokens of every full-sequence tensor of the batch."""
+    if not parallelism.cp_enabled:
+        return batch
+    return tuple(shard_sequence(x, parallelism.cp, coords["cp"]) for x in batch)
 
 
 def attention_pairs(seq_len: int, cp: int) -> list[int]:

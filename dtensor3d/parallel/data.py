@@ -1,7 +1,16 @@
-"""Data parallelism over the flattened dp x cp mesh: FSDP2 (`shard`) or all-reduce (`replicate`).
+"""Data parallelism over the flattened dp x cp mesh (and ep x dp x cp for the parameters ep
+replicates): FSDP2 (`dp_mode: shard`) or a gradient all-reduce (`dp_mode: replicate`).
+
+Build time: `apply_fsdp`. Step time: which samples this rank takes (`rank_batch`), when
+FSDP may reduce-scatter (`gradient_sync`), and the all-reduce of `replicate`
+(`sync_replicated_grads`).
 
 The loss of every rank is already normalised by the token count of the whole global batch,
 so gradients are *summed* over the data-parallel ranks, never averaged.
+
+Sample `i` of the run is a pure function of (seed, i) (datasets/). Within step `s`,
+microbatch `m` of the rank at batch coordinate `r` (r = ep_rank * dp + dp_rank) holds
+samples s * global_batch_size + m * (dp * ep * mbs) + r * mbs + [0, mbs).
 """
 
 from __future__ import annotations
@@ -11,31 +20,55 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from ..mesh import mesh_axis
+from .expert import expert_params
 from .shards import local
 
 
-def apply_fsdp(
-    model: nn.Module,
-    dp_mesh,
-    expert_mesh=None,
-    reshard_after_forward: bool = True,
-    param_dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """fully_shard each MoE layer's experts over `expert_mesh` (dp x cp: they are already
-    split over ep), each decoder block and then the root (embedding, final norm, head) over
-    `dp_mesh` (ep x dp x cp for the dense parameters, which ep replicates)."""
+def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """fully_shard each MoE layer's experts over dp x cp (they are already split over ep),
+    each decoder block and then the root (embedding, final norm, head) over ep x dp x cp
+    (the dense parameters, which ep replicates).
+
+    Args:
+        model: this rank's model part, after tp / ep.
+        mesh: the mesh from `build_mesh`.
+        parallelism: its `fsdp_reshard_after_forward` decides resharding: a pipeline stage
+            keeps its parameters gathered between the forward and backward of a microbatch.
+        param_dtype: the compute dtype of the gathered parameters (None: the stored dtype).
+    """
+    dense_mesh, expert_mesh = mesh_axis(mesh, "ep_dp_cp"), mesh_axis(mesh, "dp_cp")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs = dict(reshard_after_forward=parallelism.fsdp_reshard_after_forward, mp_policy=mp)
     for block in model.model.layers.values():
         moe = getattr(block, "block_sparse_moe", None)
         if moe is not None:
-            fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            fully_shard(moe.experts, mesh=expert_mesh, **kwargs)
+        fully_shard(block, mesh=dense_mesh, **kwargs)
+    fully_shard(model, mesh=dense_mesh, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def gradient_sync(model: nn.Module, parallelism, last_microbatch: bool) -> None:
+    """Step time, before each microbatch: under FSDP, reduce-scatter gradients only in the
+    backward of the step's last microbatch (earlier ones accumulate unsharded). Pipeline
+    schedules do this themselves."""
+    if parallelism.fsdp_enabled:
+        model.set_requires_gradient_sync(last_microbatch)
+
+
+def sync_replicated_grads(model: nn.Module, params: list[nn.Parameter], mesh, parallelism) -> None:
+    """Step time, `dp_mode: replicate`: sum dense gradients over ep x dp x cp and expert
+    gradients over dp x cp."""
+    if not parallelism.replicate_enabled:
+        return
+    experts = expert_params(model)
+    allreduce_grads([q for q in params if id(q) not in experts], mesh_axis(mesh, "ep_dp_cp").get_group())
+    allreduce_grads([q for q in params if id(q) in experts], mesh_axis(mesh, "dp_cp").get_group())
 
 
 def allreduce_grads(params: list[nn.Parameter], group) -> None:
@@ -69,3 +102,10 @@ def local_batch(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int
     """(inputs, targets), each [n_microbatches * micro_batch_size, sequence_length]."""
     rows = torch.stack([source(i) for i in sample_indices(recipe, step, batch_rank, batch_ranks)])
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def rank_batch(recipe, coords: dict[str, int], source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step time: this rank's samples of global batch `step` (it shares them with its tp,
+    cp and pp peers; ep x dp split the batch)."""
+    p = recipe.parallelism
+    return local_batch(recipe, source, step, p.batch_rank(coords), p.batch_ranks)

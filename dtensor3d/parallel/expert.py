@@ -21,6 +21,7 @@ import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from ..models.layers import ExpertDispatch
 from ..models.moe import MoE
 
 
@@ -61,17 +62,60 @@ def ep_dispatch(experts: nn.Module, x_sorted: torch.Tensor, counts: torch.Tensor
     return dist_fn.all_to_all_single(x_sorted.new_empty(x_sorted.shape), back, send_splits, recv_splits, group=group)
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> nn.Module:
-    """Shard every MoE layer's experts over the ep axis and route its tokens by all-to-all."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            experts = module.experts
-            for name, param in list(experts.named_parameters(recurse=False)):
-                sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
-                experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-            module.dispatch = functools.partial(ep_dispatch, group=ep_mesh.get_group())
+def expert_dispatch(parallelism, mesh) -> ExpertDispatch | None:
+    """Build time: the model's route to its experts (`ModelHooks.expert_dispatch`): all-to-all
+    over the ep axis when ep > 1, else None (every expert is local)."""
+    if not parallelism.ep_enabled:
+        return None
+    return functools.partial(ep_dispatch, group=mesh["ep"].get_group())
+
+
+def aux_loss_scale(recipe) -> float:
+    """Gradient scale of each MoE layer's balance loss per microbatch forward: the loss is
+    coef x (mean over the step's microbatches)."""
+    return recipe.model.router_aux_loss_coef / recipe.num_microbatches
+
+
+def shard_experts(model: nn.Module, ep_mesh) -> nn.Module:
+    """Build time: every MoE layer's stacked expert weights become DTensors sharded on the
+    expert dimension over the ep axis (this rank keeps num_experts / ep of them)."""
+    for module in moe_modules(model):
+        experts = module.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     return model
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def expert_params(model: nn.Module) -> set[int]:
+    """ids of the expert weights (sharded over ep, replicated over dp x cp)."""
+    return {id(q) for m in moe_modules(model) for q in m.experts.parameters()}
+
+
+def step_stats(model: nn.Module, recipe, coords: dict[str, int], device: torch.device) -> torch.Tensor:
+    """Step time: [aux loss term, tokens per expert...] of this rank's MoE layers this step
+    (the last n-microbatches forwards of each), counted once over the ranks that share them
+    (aux: tp and cp rank 0; loads: tp rank 0), to be summed over the world. Zeros when the
+    model has no experts."""
+    n_micro, scale = recipe.num_microbatches, aux_loss_scale(recipe)
+    out = torch.zeros(1 + recipe.model.num_local_experts, device=device)
+    for moe in moe_modules(model):
+        for aux, load in moe.take_records(n_micro):
+            if coords["tp"] == 0:
+                out[0] += aux.to(out.device).float() * scale * (coords["cp"] == 0)
+                out[1:] += load.to(out.device)
+    return out
+
+
+def stats_metrics(stats: torch.Tensor) -> dict:
+    """The metrics of `step_stats` summed over the world."""
+    load = stats[1:]
+    return {
+        "aux_loss": stats[0].item(),
+        "tokens_per_expert": [int(round(x)) for x in load.tolist()],
+        "expert_load_max_over_mean": (load.max() / load.mean().clamp_min(1e-9)).item(),
+    }

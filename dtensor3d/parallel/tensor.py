@@ -10,16 +10,18 @@ vocabulary for `loss_parallel` cross-entropy.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -54,9 +56,7 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
                 "input_layernorm": SequenceParallel(),
                 "post_attention_layernorm": SequenceParallel(),
                 # The block's input arrives sharded on the sequence; gather it before q/k/v.
-                "self_attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-                ),
+                "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
         )
         if moe:
@@ -74,10 +74,10 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
 
 
 def apply_tp(model: nn.Module, tp_mesh, parallelism) -> nn.Module:
-    """Shard `model` (a whole model or one pipeline stage) over the tp mesh axis."""
+    """Build time: shard `model` (a whole model or one pipeline stage) over the tp mesh axis."""
     if parallelism.tp_linear_async_communication and tp_mesh.device_type == "cpu":
         warnings.warn("tp_linear_async_communication has no effect on CPU; running synchronously", stacklevel=2)
-    sequence_parallel = parallelism.tp_mode == "REDUCE_SCATTER"
+    sequence_parallel = parallelism.sequence_parallel
     outer, _ = tp_plan(sequence_parallel)
     present = {path: style for path, style in outer.items() if _has_module(model, path)}
     parallelize_module(model, tp_mesh, present)
@@ -93,3 +93,18 @@ def _has_module(model: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def loss_context(parallelism) -> contextlib.AbstractContextManager:
+    """Step time: cross-entropy over logits sharded on the vocabulary (`loss_parallel`)
+    when tp > 1; nothing otherwise."""
+    return loss_parallel() if parallelism.loss_parallel else contextlib.nullcontext()
+
+
+def match_grad_placements(params: list[nn.Parameter]) -> None:
+    """Step time, after backward: give each DTensor gradient its parameter's placements. (A
+    vocab-parallel embedding's gradient comes back replicated over tp; slicing it is local,
+    no communication.)"""
+    for q in params:
+        if isinstance(q.grad, DTensor) and q.grad.placements != q.placements:
+            q.grad = q.grad.redistribute(q.device_mesh, q.placements)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtensor3d.models.llama import causal_attention
+from dtensor3d.models.layers import causal_attention
 from dtensor3d.parallel.context import KERNELS, cp_attention, shard_sequence, zigzag_positions
 
 dist.init_process_group("gloo")

@@ -4,7 +4,7 @@ a router forced to send every token to the same experts (all of them on one ep r
 Compares outputs, input gradients, router gradients and expert gradients; prints one JSON
 line per case from rank 0 with the largest absolute errors over all ranks."""
 
-import copy
+import functools
 import json
 from types import SimpleNamespace
 
@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from dtensor3d.models.layers import ModelHooks
 from dtensor3d.models.moe import MoE
-from dtensor3d.parallel.expert import apply_ep
+from dtensor3d.parallel.expert import ep_dispatch, shard_experts
 
 dist.init_process_group("gloo")
 world, rank = dist.get_world_size(), dist.get_rank()
@@ -24,13 +25,15 @@ for ep in (2, 4):
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("rest", "ep"))["ep"]
     for forced in (False, True):
         torch.manual_seed(0)  # the same weights on every rank
-        ref = MoE(cfg)
+        ref = MoE(cfg, ModelHooks(aux_loss_scale=0.01))
         for p in ref.parameters():
             torch.nn.init.normal_(p, std=0.3)
         if forced:
             torch.nn.init.zeros_(ref.gate.weight)  # uniform router: every token picks the same top-2
-        ref.aux_scale = 0.01
-        moe = apply_ep(copy.deepcopy(ref), mesh)
+        hooks = ModelHooks(aux_loss_scale=0.01, expert_dispatch=functools.partial(ep_dispatch, group=mesh.get_group()))
+        moe = MoE(cfg, hooks)
+        moe.load_state_dict(ref.state_dict())
+        shard_experts(moe, mesh)
 
         g = torch.Generator().manual_seed(1000 + rank)  # different tokens on every rank
         x = torch.randn(2, 12, 16, generator=g)

@@ -1,0 +1,109 @@
+"""Layers shared by the models, and `ModelHooks`: the one typed place where a parallelism
+changes what happens inside a single-device model.
+
+Nothing here imports torch.distributed. A parallelism that needs to change the model's
+inside (context parallelism: which tokens this rank holds and how attention reaches the
+others; expert parallelism: where the experts run) hands the model a `ModelHooks` at
+construction; the defaults are the single-device behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def rope_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq, head_dim] for the given (global) token positions."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles = torch.outer(positions.float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; Hugging Face's rotate-half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [b, h, s, d]; k, v: [b, kv_h, s, d] -> [b, h, s, d]. Grouped-query attention by
+    the kernel itself (no repeated K/V kept for backward)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class SequenceLayout:
+    """Which tokens of each sequence this rank holds and how attention reaches the others.
+
+    This default is the single-device one: every token, in order. Context parallelism
+    (parallel/context.py) supplies a subclass for its zig-zag chunks."""
+
+    def positions(self, n_tokens: int, device: torch.device) -> torch.Tensor:
+        """Global positions of the n_tokens this rank holds (for RoPE)."""
+        return torch.arange(n_tokens, device=device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Exact causal attention of this rank's queries over the whole sequence's keys."""
+        return causal_attention(q, k, v)
+
+    def sum_over_sequence(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(t summed over the ranks that hold parts of the same sequences, their count).
+        The sum is differentiable (its backward sums too)."""
+        return t, 1
+
+
+# dispatch(experts, tokens sorted by expert [T, h], tokens per expert [E]) -> expert outputs [T, h]
+ExpertDispatch = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelHooks:
+    """What a parallelism changes inside a model, given at construction.
+
+    sequence:         context parallelism's token layout and attention (default: all tokens here)
+    expert_dispatch:  expert parallelism's route to the experts (None: all experts here)
+    aux_loss_scale:   gradient scale of the MoE balance loss (coef / microbatches per step;
+                      0: no balance loss, as in a forward-only model)
+    recompute:        "none" or "full" (keep only each decoder layer's input for backward)
+    """
+
+    sequence: SequenceLayout = field(default_factory=SequenceLayout)
+    expert_dispatch: ExpertDispatch | None = None
+    aux_loss_scale: float = 0.0
+    recompute: str = "none"
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, intermediate_size: int | None = None):
+        super().__init__()
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def init_std(name: str) -> float | None:
+    """Initial std of a parameter by name; None means ones (norm weights)."""
+    return None if name.endswith("norm.weight") else 0.02
