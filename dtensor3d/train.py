@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from . import checkpoint
 from .datasets.sources import make_source
@@ -46,7 +47,7 @@ class TrainState:
     coords: dict[str, int]  # this rank's coordinate on each mesh axis
     model: nn.Module  # this rank's model part (the whole model when pp == 1)
     optimizer: torch.optim.Optimizer
-    schedule: object | None  # a torch.distributed.pipelining schedule when pp > 1
+    schedule: _PipelineSchedule | None  # the pipeline schedule when pp > 1
     loss_fn: LossFn
     params: list[nn.Parameter]  # the trainable parameters, in a fixed order
     norm_weights: list[float]  # 1 / replication of each parameter, for the global grad norm
@@ -166,7 +167,7 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
 def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (inputs, targets) of global batch `step`: its samples (dp, ep) and its
     tokens of each (cp), on its device."""
-    batch = data.rank_batch(state.recipe, state.coords, source, step)
+    batch = data.rank_samples(state.recipe, state.coords, source, step)
     inputs, targets = context.shard_batch(batch, state.recipe.parallelism, state.coords)
     return inputs.to(state.device), targets.to(state.device)
 

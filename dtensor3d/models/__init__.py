@@ -1,4 +1,4 @@
-"""Single-device models (no torch.distributed here): Llama and its mixture-of-experts variant."""
+"""Single-device models (no distributed code here): Llama and its mixture-of-experts variant."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Layers shared by the models, and `ModelHooks`: the one typed place where a parallelism
 changes what happens inside a single-device model.
 
-Nothing here imports torch.distributed. A parallelism that needs to change the model's
+Nothing here is distributed code. A parallelism that needs to change the model's
 inside (context parallelism: which tokens this rank holds and how attention reaches the
 others; expert parallelism: where the experts run) hands the model a `ModelHooks` at
 construction; the defaults are the single-device behaviour.

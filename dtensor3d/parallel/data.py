@@ -1,7 +1,7 @@
 """Data parallelism over the flattened dp x cp mesh (and ep x dp x cp for the parameters ep
 replicates): FSDP2 (`dp_mode: shard`) or a gradient all-reduce (`dp_mode: replicate`).
 
-Build time: `apply_fsdp`. Step time: which samples this rank takes (`rank_batch`), when
+Build time: `apply_fsdp`. Step time: which samples this rank takes (`rank_samples`), when
 FSDP may reduce-scatter (`gradient_sync`), and the all-reduce of `replicate`
 (`sync_replicated_grads`).
 
@@ -104,7 +104,7 @@ def local_batch(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def rank_batch(recipe, coords: dict[str, int], source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_samples(recipe, coords: dict[str, int], source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step time: this rank's samples of global batch `step` (it shares them with its tp,
     cp and pp peers; ep x dp split the batch)."""
     p = recipe.parallelism
