@@ -72,8 +72,8 @@ def expert_dispatch(parallelism, mesh) -> ExpertDispatch | None:
 
 def aux_loss_scale(recipe) -> float:
     """Gradient scale of each MoE layer's balance loss per microbatch forward: the loss is
-    coef x (mean over the step's microbatches)."""
-    return recipe.model.router_aux_loss_coef / recipe.num_microbatches
+    coef x (mean over all microbatches of the global batch, on every batch rank)."""
+    return recipe.model.router_aux_loss_coef / (recipe.num_microbatches * recipe.parallelism.batch_ranks)
 
 
 def shard_experts(model: nn.Module, ep_mesh) -> nn.Module:
