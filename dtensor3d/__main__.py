@@ -1,5 +1,6 @@
 """Command line: python -m dtensor3d {train,plan,validate} RECIPE [key.path=value ...]
                   python -m dtensor3d export-hf CKPT OUT | import-hf DIR OUT
+                  python -m dtensor3d convert-nanotron CONFIG [key.path=value ...]
 
 A wrong recipe or argument prints one `error:` line on stderr and exits with status 2,
 before torch is imported or any process group starts.
@@ -11,7 +12,7 @@ import argparse
 import os
 import sys
 
-from .recipe import RecipeError, load_recipe
+from .recipe import RecipeError, load_recipe, validate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import-hf", help="turn a Hugging Face Llama directory into a checkpoint")
     imp.add_argument("hf_dir", help="a directory with config.json and model.safetensors (or shards + index)")
     imp.add_argument("out", help="a new checkpoint directory")
+    conv = sub.add_parser("convert-nanotron", help="print the recipe YAML a nanotron config maps to")
+    conv.add_argument("recipe", help="a nanotron YAML config")
+    conv.add_argument("overrides", nargs="*", help="key.path=value, nanotron or recipe spelling")
     return parser
 
 
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"parallelism: the recipe needs {recipe.parallelism.world_size} processes and "
                     f"this is one; run it with: bash launch.sh {args.recipe} ..."
                 )
-            load_recipe(args.recipe, args.overrides, world_size=world if world is not None else 1)
+            validate(recipe, world_size=world if world is not None else 1)
             _check_checkpoints(recipe, hashes=False)  # sha256 is checked by the ranks together
             from .train import train
 
@@ -102,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
 
             files = export_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_mb * 1e6))
             print(f"wrote {args.out}: config.json, {', '.join(files)}")
+        elif args.command == "convert-nanotron":
+            from .nanotron import convert_file
+
+            print(convert_file(args.recipe, args.overrides), end="")
         elif args.command == "import-hf":
             from .checkpoint import import_hf
 

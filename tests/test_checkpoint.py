@@ -2,7 +2,7 @@
 (1 -> tp2 x pp2, dp2 x tp2 x pp2 -> 1, FSDP -> replicate; within 1e-5 of the uninterrupted
 run), atomic writes, keep and the pointer, a planted pickle never executed, bad checkpoints
 refused with one error line and nothing overwritten, Hugging Face export / import / init
-against transformers' own LlamaForCausalLM (logits within 1e-4, fp32)."""
+against transformers' own LlamaForCausalLM (logits within 1e-5, fp32; measured 0.0)."""
 
 from __future__ import annotations
 
@@ -440,7 +440,7 @@ def test_load_model_from_hf_dir(hf_model, layout):
     ref = hf_logits(model, tokens)
     got = our_logits(ours, tokens)
     assert got.shape == (2, 24, 256)
-    assert (got - ref).abs().max().item() <= 1e-4
+    assert (got - ref).abs().max().item() <= 1e-5
 
 
 def test_import_hf_then_export_round_trip(hf_model, tmp_path):
@@ -450,7 +450,7 @@ def test_import_hf_then_export_round_trip(hf_model, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert steps_of(out) == ["step_00000000"] and (out / "latest").read_text().strip() == "step_00000000"
     tokens = batch_tokens(1)
-    assert (our_logits(load_model(out), tokens) - hf_logits(model, tokens)).abs().max().item() <= 1e-4
+    assert (our_logits(load_model(out), tokens) - hf_logits(model, tokens)).abs().max().item() <= 1e-5
     proc = cli("export-hf", str(out), str(tmp_path / "back"))
     assert proc.returncode == 0, proc.stderr
     original, back = (
@@ -475,7 +475,7 @@ def test_export_hf_loads_in_transformers(run_822, tmp_path, shard_mb):
     ours = load_model(root / "ck")
     tokens = batch_tokens(2)
     ref, got = hf_logits(model.eval(), tokens), our_logits(ours, tokens)
-    assert (got - ref).abs().max().item() <= 1e-4
+    assert (got - ref).abs().max().item() <= 1e-5
     # The trained weights, not the initial ones: step 10 differs from step 5.
     assert (our_logits(load_model(root / "ck" / "step_00000005"), tokens) - ref).abs().max().item() > 1e-3
     # Nothing is overwritten: exporting again into the same directory is refused.
