@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -143,6 +144,8 @@ class TrainingConfig:
     micro_batch_size: int = 1
     dtype: str = "float32"
     device: str = "auto"
+    eval_every: int = 0  # steps between validation losses (and at the last step); 0: never
+    eval_batches: int = 1  # global batches of validation windows per evaluation
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,8 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = "runs/default"
     every: int = 1
+    tensorboard: bool = False  # TensorBoard events in <run_dir>/tensorboard (the `tensorboard` extra)
+    profile_steps: tuple[int, ...] | None = None  # [first, last]: a torch.profiler trace per rank of those steps
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,7 @@ POSITIVE = {
         "max_position_embeddings",
     ),
     "parallelism": ("dp", "tp", "pp", "cp", "ep"),
-    "training": ("steps", "sequence_length", "global_batch_size", "micro_batch_size"),
+    "training": ("steps", "sequence_length", "global_batch_size", "micro_batch_size", "eval_batches"),
     "checkpoint": ("keep",),
     "logging": ("every",),
 }
@@ -537,5 +542,24 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         raise _fail(f"optimizer.betas={list(o.betas)}: each beta must be in [0, 1)")
     if recipe.data.kind == "tokens" and not recipe.data.path:
         raise _fail("data.path is required with data.kind 'tokens'; give the path of a token file")
+    _validate_logging(recipe)
     if recipe.checkpoint.interval < 0:
         raise _fail(f"checkpoint.interval={recipe.checkpoint.interval} must be >= 0 (0: only at the end)")
+    if recipe.training.eval_every < 0:
+        raise _fail(f"training.eval_every={recipe.training.eval_every} must be >= 0 (0: never evaluate)")
+
+
+def _validate_logging(recipe: Recipe) -> None:
+    lg, steps = recipe.logging, recipe.training.steps
+    if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise _fail(
+            "logging.tensorboard=true needs the tensorboard package; pip install 'dtensor3d[tensorboard]' "
+            "or set logging.tensorboard: false"
+        )
+    if lg.profile_steps is not None and (
+        len(lg.profile_steps) != 2 or not 1 <= lg.profile_steps[0] <= lg.profile_steps[1] <= steps
+    ):
+        raise _fail(
+            f"logging.profile_steps={list(lg.profile_steps)} must be [first, last] with "
+            f"1 <= first <= last <= training.steps={steps}"
+        )

@@ -24,6 +24,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from . import checkpoint
 from .datasets.sources import make_source
+from .evaluate import eval_due, validation_loss
 from .mesh import build_mesh, init_distributed
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
 from .models import materialize
@@ -197,7 +198,9 @@ def train(recipe: Recipe) -> list[dict]:
             start = time.perf_counter()
             metrics = train_step(state, rank_batch(state, source, state.step))
             elapsed = time.perf_counter() - start
-            if state.step % recipe.logging.every == 0 or state.step == t.steps:
+            if eval_due(recipe, state.step):
+                metrics.update(validation_loss(state, make_source(recipe, "validation"), compute_dtype_context(state)))
+            if state.step % recipe.logging.every == 0 or state.step == t.steps or "val_loss" in metrics:
                 tps = tokens / elapsed
                 mfu = tps * fpt / (peak * dist.get_world_size()) if peak else None
                 metrics.update(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import DataError
+
 
 def synthetic_sample(seed: int, index: int, length: int, vocab_size: int) -> torch.Tensor:
     """A learnable token sequence: an arithmetic progression mod vocab with a random start
@@ -37,11 +39,21 @@ class TokenFile:
         return torch.from_numpy(np.asarray(self.tokens[start : start + length], dtype=np.int64))
 
 
-def make_source(recipe):
-    """sample(index) -> int64 tensor of sequence_length + 1 tokens."""
+# Synthetic validation samples come from their own seed stream, disjoint from training's.
+SYNTHETIC_VALIDATION_SEED = 1_000_000_007
+
+
+def make_source(recipe, split: str = "train"):
+    """sample(index) -> int64 tensor of sequence_length + 1 tokens, of the "train" or the
+    "validation" split."""
     t, d = recipe.training, recipe.data
     length = t.sequence_length + 1
     if d.kind == "tokens":
+        if split != "train":
+            raise DataError(
+                f"data.path={d.path!r}: a single token file has no validation split; set training.eval_every: 0"
+            )
         tf = TokenFile(d.path)
         return lambda i: tf.sample(i, length)
-    return lambda i: synthetic_sample(t.seed, i, length, recipe.model.vocab_size)
+    seed = t.seed + (SYNTHETIC_VALIDATION_SEED if split == "validation" else 0)
+    return lambda i: synthetic_sample(seed, i, length, recipe.model.vocab_size)

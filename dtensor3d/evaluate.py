@@ -1,0 +1,59 @@
+"""Validation loss: the mean token loss over a fixed set of validation windows, forward
+only (no gradients, no optimizer state touched), under every mesh.
+
+Evaluation batch b holds validation samples [b * global_batch_size, (b + 1) *
+global_batch_size), split over the ranks exactly as a training batch is, so the set and
+the number are the same at every mesh. Each batch's loss is normalised like a training
+loss (by the tokens of the global batch); their mean over `eval_batches` is the mean token
+loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .parallel import context, data, expert, tensor
+from .parallel.shards import local
+
+
+def eval_due(recipe, step: int) -> bool:
+    every = recipe.training.eval_every
+    return every > 0 and (step % every == 0 or step == recipe.training.steps)
+
+
+def _forward_only(state, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of this rank's microbatch losses of one batch (zero where it computes none)."""
+    mbs = state.recipe.training.micro_batch_size
+    total = torch.zeros((), device=state.device)
+    if state.schedule is not None:
+        losses: list[torch.Tensor] = []
+        first, last = state.coords["pp"] == 0, state.is_last_stage
+        state.schedule.eval(*((inputs,) if first else ()), target=targets if last else None, losses=losses)
+        for loss in losses if last else []:
+            total += local(loss).float()
+        return total
+    for m in range(inputs.shape[0] // mbs):
+        rows = slice(m * mbs, (m + 1) * mbs)
+        total += local(state.loss_fn(state.model(inputs[rows]), targets[rows])).float()
+    return total
+
+
+def validation_loss(state, source, compute_context) -> dict:
+    """{"val_loss", "val_ppl"} over recipe.training.eval_batches batches of `source`
+    (sample(i) -> a validation window). Every rank calls this; all get the same numbers."""
+    recipe, p = state.recipe, state.recipe.parallelism
+    total = torch.zeros((), device=state.device)
+    with torch.no_grad(), tensor.loss_context(p), compute_context:
+        for b in range(recipe.training.eval_batches):
+            batch = data.rank_samples(recipe, state.coords, source, b)
+            inputs, targets = (x.to(state.device) for x in context.shard_batch(batch, p, state.coords))
+            total += _forward_only(state, inputs, targets)
+    reports = state.is_last_stage and state.coords["tp"] == 0
+    total = total * reports
+    dist.all_reduce(total)
+    expert.step_stats(state.model, recipe, state.coords, state.device)  # drop the routing records of eval
+    loss = total.item() / recipe.training.eval_batches
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
