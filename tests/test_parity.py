@@ -2,8 +2,13 @@
 step by step (10 AdamW steps, fp32, CPU). Relative difference <= 1e-5 for loss and
 grad_norm at every step; tensor parallelism on this CPU typically lands near 1e-7."""
 
+import math
+
 import pytest
-from conftest import ROOT, train_metrics
+from conftest import PARITY, ROOT, train_metrics
+from lr_schedule import scheduled_lr
+
+from dtensor3d.recipe import load_recipe
 
 TOL = 1e-5
 
@@ -57,8 +62,15 @@ def world(overrides: list[str]) -> int:
     return n
 
 
-def assert_parity(got: list[dict], ref: list[dict], keys=("loss", "grad_norm")) -> dict[str, float]:
-    """Every step within TOL; returns the largest relative difference of each key."""
+def scheduled_lrs(recipe_path: str, overrides: list[str]) -> list[float]:
+    """Each step's lr from the schedule's formula (tests/lr_schedule.py, written apart from ours)."""
+    recipe = load_recipe(recipe_path, overrides)
+    return [scheduled_lr(s, recipe.optimizer, recipe.training.steps) for s in range(recipe.training.steps)]
+
+
+def assert_parity(got: list[dict], ref: list[dict], lrs: list[float], keys=("loss", "grad_norm")) -> dict[str, float]:
+    """Every step within TOL and both runs on the schedule `lrs`; returns the largest
+    relative difference of each key."""
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     assert len(ref) == 10
     worst = dict.fromkeys(keys, 0.0)
@@ -67,7 +79,8 @@ def assert_parity(got: list[dict], ref: list[dict], keys=("loss", "grad_norm")) 
             rel = abs(g[key] - r[key]) / abs(r[key])
             assert rel <= TOL, f"step {r['step']} {key}: {g[key]!r} vs 1-process {r[key]!r} (rel {rel:.2e})"
             worst[key] = max(worst[key], rel)
-        assert g["lr"] == r["lr"]
+        want = lrs[r["step"] - 1]
+        assert math.isclose(g["lr"], want, rel_tol=1e-12) and math.isclose(r["lr"], want, rel_tol=1e-12), (g, r, want)
     return worst
 
 
@@ -89,7 +102,7 @@ def reference(parity_reference, tmp_path_factory):
 def test_parity(name, reference, tmp_path, record_property):
     overrides = CONFIGS[name]
     got = train_metrics(tmp_path, world(overrides), overrides)
-    for key, rel in assert_parity(got, reference(overrides)).items():
+    for key, rel in assert_parity(got, reference(overrides), scheduled_lrs(PARITY, overrides)).items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
     # The run learned something: the loss falls over the ten steps.
     assert got[-1]["loss"] < got[0]["loss"]
@@ -103,5 +116,5 @@ def test_parity_3d_recipe(tmp_path, record_property):
         tmp_path / "one", 1, common + ["parallelism.dp=1", "parallelism.pp=1", "parallelism.tp=1"], recipe
     )
     got = train_metrics(tmp_path / "sixteen", 16, common, recipe)
-    for key, rel in assert_parity(got, ref).items():
+    for key, rel in assert_parity(got, ref, scheduled_lrs(recipe, common)).items():
         record_property(f"max_rel_{key}", rel)

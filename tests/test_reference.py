@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import PARITY, ROOT, train_metrics
+from lr_schedule import scheduled_lr
 from safetensors.torch import save_file
 
 from dtensor3d.datasets.sources import make_source
@@ -70,22 +71,6 @@ CONFIGS = {
 
 
 # ---------------------------------------------------------------- the formulas, written here
-
-
-def scheduled_lr(step: int, opt, total_steps: int) -> float:
-    """lr used by optimizer step `step` (0-based): linear warmup over warmup_steps reaching
-    the peak on the last warmup step, then cosine / linear decay from the peak to min_lr at
-    the last step, or constant at the peak."""
-    w = opt.warmup_steps
-    if w and step < w:
-        return opt.lr * (step + 1) / w
-    progress = min(1.0, (step - w) / max(1, total_steps - w))
-    if opt.decay == "cosine":
-        return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1.0 + math.cos(math.pi * progress))
-    if opt.decay == "linear":
-        return opt.lr - (opt.lr - opt.min_lr) * progress
-    assert opt.decay == "constant", opt.decay
-    return opt.lr
 
 
 def switch_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
