@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import sys
+import time
 
 import torch
 import yaml
@@ -43,27 +45,106 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (peak RSS)
 
 
+# The metrics written to TensorBoard: record key -> tag.
+TB_TAGS = {
+    "loss": "loss/train",
+    "val_loss": "loss/val",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "tokens_per_sec": "perf/tokens_per_sec",
+    "ms_per_step": "perf/ms_per_step",
+    "mfu": "perf/mfu",
+    "peak_mem_gib": "memory/peak_gib",
+    "aux_loss": "moe/aux_loss",
+    "expert_load_max_over_mean": "moe/expert_load_max_over_mean",
+}
+# What a fresh run into a run_dir moves aside: (name, rotated name with {n}).
+ROTATED = (
+    ("metrics.jsonl", "metrics.{n}.jsonl"),
+    ("recipe.yaml", "recipe.{n}.yaml"),
+    ("loss.svg", "loss.{n}.svg"),
+    ("tensorboard", "tensorboard.{n}"),
+)
+
+
+def rotate_previous(run_dir: str) -> str | None:
+    """A fresh run into a run_dir that holds metrics.jsonl: move the earlier run's files to
+    numbered names (metrics.1.jsonl, ...; the highest number is the newest); return the line
+    that says so, or None when there was nothing to keep."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return None
+    taken = [re.fullmatch(r"metrics\.(\d+)\.jsonl", name) for name in os.listdir(run_dir)]
+    n = 1 + max((int(m.group(1)) for m in taken if m), default=0)
+    moved = []
+    for name, pattern in ROTATED:
+        if os.path.exists(os.path.join(run_dir, name)):
+            os.replace(os.path.join(run_dir, name), os.path.join(run_dir, pattern.format(n=n)))
+            moved.append(pattern.format(n=n))
+    return f"{run_dir} held an earlier run's metrics (this run is not a resume): kept them as {', '.join(moved)}"
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def console_line(record: dict, elapsed: float, eta: float | None) -> str:
+    parts = [
+        f"step {record['step']:>5}",
+        f"loss {record['loss']:.4f}",
+        f"grad_norm {record['grad_norm']:.3f}",
+        f"lr {record['lr']:.2e}",
+        f"tok/s {record['tokens_per_sec']:,.0f}",
+        f"{record['ms_per_step']:.0f} ms",
+        f"mem {record['peak_mem_gib']:.2f} GiB",
+    ]
+    if record.get("val_loss") is not None:
+        parts.insert(2, f"val_loss {record['val_loss']:.4f}")
+    if "aux_loss" in record:
+        parts.append(f"aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max_over_mean']:.2f}")
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    parts.append(f"elapsed {_hms(elapsed)}" + (f" eta {_hms(eta)}" if eta is not None else ""))
+    return " | ".join(parts)
+
+
 class MetricsLog:
-    """Writes <run_dir>/metrics.jsonl and <run_dir>/recipe.yaml; only rank 0 writes.
+    """Writes <run_dir>/metrics.jsonl, <run_dir>/recipe.yaml, loss.svg at the end and, with
+    logging.tensorboard, TensorBoard events in <run_dir>/tensorboard; only rank 0 writes.
 
     `resume`: the step a resumed run continues from (0: a fresh run). The file's earlier
     records up to that step are kept and new ones appended; later ones (from a run that
-    went past the checkpoint) are dropped, so each step appears once."""
+    went past the checkpoint) are dropped, so each step appears once; TensorBoard hides them
+    the same way (purge_step). A fresh run into a run_dir holding metrics.jsonl keeps the
+    earlier run's files under numbered names (`rotate_previous`)."""
 
     def __init__(self, run_dir: str, recipe_dict: dict, enabled: bool, resume: int = 0):
         self.enabled, self.run_dir, self.records, self.earlier = enabled, run_dir, [], []
+        self.resume, self.start, self.writer = resume, time.perf_counter(), None
+        self.total_steps = recipe_dict.get("training", {}).get("steps")
+        self.checkpoint_dir = recipe_dict.get("checkpoint", {}).get("dir")
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        note = None if resume else rotate_previous(run_dir)
+        if note:
+            print(note, flush=True)
         with open(os.path.join(run_dir, "recipe.yaml"), "w") as f:
             yaml.safe_dump(recipe_dict, f, sort_keys=False)
-        path = os.path.join(run_dir, "metrics.jsonl")
         if resume and os.path.exists(path):
             with open(path) as f:
                 self.earlier = [r for r in map(json.loads, f) if r["step"] <= resume]
         self.file = open(path, "w")
         for record in self.earlier:
             self.file.write(json.dumps(record) + "\n")
+        if recipe_dict.get("logging", {}).get("tensorboard"):
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides the earlier events at and after the resumed step.
+            tb_dir = os.path.join(run_dir, "tensorboard")
+            self.writer = SummaryWriter(tb_dir, purge_step=resume + 1 if resume else None, flush_secs=10)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -71,40 +152,77 @@ class MetricsLog:
         self.records.append(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        parts = [
-            f"step {record['step']:>5}",
-            f"loss {record['loss']:.4f}",
-            f"grad_norm {record['grad_norm']:.3f}",
-            f"lr {record['lr']:.2e}",
-            f"tok/s {record['tokens_per_sec']:,.0f}",
-            f"{record['ms_per_step']:.0f} ms",
-            f"mem {record['peak_mem_gib']:.2f} GiB",
-        ]
-        if "aux_loss" in record:
-            parts.append(
-                f"aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max_over_mean']:.2f}"
-            )
-        if record.get("mfu") is not None:
-            parts.append(f"mfu {100 * record['mfu']:.1f}%")
-        print(" | ".join(parts), file=sys.stdout, flush=True)
+        if self.writer is not None:
+            for key, tag in TB_TAGS.items():
+                value = record.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(tag, value, record["step"])
+        elapsed, done = time.perf_counter() - self.start, record["step"] - self.resume
+        eta = None
+        if self.total_steps is not None and done > 0:
+            eta = elapsed / done * max(0, self.total_steps - record["step"])
+        print(console_line(record, elapsed, eta), file=sys.stdout, flush=True)
 
-    def close(self) -> None:
-        if self.enabled:
-            self.file.close()
-            points = [(r["step"], r["loss"]) for r in self.earlier + self.records]
-            if points:
-                write_loss_svg(os.path.join(self.run_dir, "loss.svg"), points)
+    def close(self, checkpoint: str | None = None) -> None:
+        """Write loss.svg, close the files and print one line saying where everything is.
+        `checkpoint`: the last checkpoint saved (default: the one checkpoint.dir's pointer names)."""
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+        records = self.earlier + self.records
+        if records:
+            val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+            write_loss_svg(os.path.join(self.run_dir, "loss.svg"), [(r["step"], r["loss"]) for r in records], val)
+        print(self.summary(checkpoint if checkpoint is not None else self._latest_checkpoint()), flush=True)
+
+    def summary(self, checkpoint: str | None) -> str:
+        def where(name: str) -> str | None:
+            path = os.path.join(self.run_dir, name)
+            return path if os.path.exists(path) else None
+
+        parts = [f"metrics {where('metrics.jsonl')}"]
+        parts.append(f"loss curve {where('loss.svg') or 'none (nothing logged)'}")
+        if self.writer is not None:
+            parts.append(f"tensorboard {where('tensorboard')} (tensorboard --logdir {self.run_dir})")
+        parts.append(f"last checkpoint {checkpoint or 'none'}")
+        return "done: " + " | ".join(parts)
+
+    def _latest_checkpoint(self) -> str | None:
+        """The step directory named by checkpoint.dir's `latest` pointer, if there is one."""
+        if not self.checkpoint_dir:
+            return None
+        try:
+            with open(os.path.join(self.checkpoint_dir, "latest"), encoding="utf-8") as f:
+                name = f.read().strip()
+        except OSError:
+            return None
+        path = os.path.join(self.checkpoint_dir, name)
+        return path if name and os.path.isdir(path) else None
 
 
-def write_loss_svg(path: str, points: list[tuple[int, float]], width: int = 640, height: int = 360) -> None:
-    """A dependency-free line chart of loss against step."""
+def write_loss_svg(
+    path: str,
+    points: list[tuple[int, float]],
+    val_points: list[tuple[int, float]] = (),
+    width: int = 640,
+    height: int = 360,
+) -> None:
+    """A dependency-free line chart of loss (and val_loss, when given) against step."""
     pad = 48
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    every = list(points) + list(val_points)
+    xs, ys = [p[0] for p in every], [p[1] for p in every]
     x0, x1 = min(xs), max(max(xs), min(xs) + 1)
     y0, y1 = min(ys), max(max(ys), min(ys) + 1e-9)
     sx = lambda x: pad + (x - x0) / (x1 - x0) * (width - 2 * pad)  # noqa: E731
     sy = lambda y: height - pad - (y - y0) / (y1 - y0) * (height - 2 * pad)  # noqa: E731
-    line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
+    line = lambda pts: " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)  # noqa: E731
+    curves = f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{line(points)}"/>'
+    legend = f'<text x="{width - pad}" y="{pad - 20}" text-anchor="end" fill="#1f77b4">loss</text>'
+    if val_points:
+        curves += f'\n<polyline fill="none" stroke="#d62728" stroke-width="2" points="{line(val_points)}"/>'
+        legend += f'\n<text x="{width - pad}" y="{pad - 6}" text-anchor="end" fill="#d62728">val_loss</text>'
     svg = f"""<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" \
 font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
@@ -116,7 +234,8 @@ font-family="sans-serif" font-size="12">
 <text x="{pad - 4}" y="{height - pad}" text-anchor="end">{y0:.3f}</text>
 <text x="{pad}" y="{height - pad + 16}" text-anchor="middle">{x0}</text>
 <text x="{width - pad}" y="{height - pad + 16}" text-anchor="middle">{x1}</text>
-<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{line}"/>
+{curves}
+{legend}
 </svg>
 """
     with open(path, "w") as f:
