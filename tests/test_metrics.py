@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PARITY, ROOT
+from conftest import PARITY, ROOT, torchrun
 
 from dtensor3d.metrics import MetricsLog, write_loss_svg
 
@@ -127,3 +127,18 @@ def test_resumed_training_continues_the_tensorboard_curve(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [v for _, v in scalars(run, "loss/train")] == pytest.approx([r["loss"] for r in records], rel=1e-6)
     assert proc.stdout.splitlines()[-1].endswith(f"last checkpoint {ckpt / 'step_00000005'}")
+
+
+def test_profile_steps_trace_holds_the_steps_matmuls_and_collectives(tmp_path):
+    """tp=2 x dp=1 on 2 ranks, steps 2..3 of 4 profiled: each rank's Chrome trace holds two
+    train_step spans, matmuls and collectives (the loop: tests/dist_scripts/profile_steps.py)."""
+    script = str(ROOT / "tests" / "dist_scripts" / "profile_steps.py")
+    overrides = ["training.steps=4", "model.num_hidden_layers=1", "parallelism.tp=2", "logging.profile_steps=[2, 3]"]
+    torchrun(2, [script, PARITY, f"logging.run_dir={tmp_path}", *overrides])
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "profile" / f"trace_rank{rank}.json").read_text())["traceEvents"]
+        names = [e.get("name", "") for e in events]
+        assert sorted(n for n in names if n.startswith("train_step ")) == ["train_step 2", "train_step 3"]
+        assert any(n in ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm") for n in names)
+        collectives = [n for n in names if re.search(r"all_?reduce|all_?gather|reduce_?scatter", n, re.I)]
+        assert collectives, sorted(set(names))[:80]
