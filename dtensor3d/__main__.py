@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from .errors import UserError
 from .recipe import RecipeError, load_recipe, validate
 
 
@@ -45,13 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_checkpoints(recipe, hashes: bool) -> None:
-    """The checkpoint a run would resume from, or its init_from_hf directory (imports torch)."""
+def _check_checkpoints(recipe, hashes: bool, lock: bool = True) -> None:
+    """checkpoint.dir (writable, not locked by another run), the checkpoint a run would resume
+    from, or its init_from_hf directory (imports torch)."""
     c = recipe.checkpoint
     if c.dir or c.resume not in ("auto", "none") or c.init_from_hf:
         from .checkpoint import check_at_door
 
-        check_at_door(recipe, hashes)
+        check_at_door(recipe, hashes, lock)
 
 
 def _env_int(name: str) -> int | None:
@@ -97,14 +99,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"this is one; run it with: bash launch.sh {args.recipe} ..."
                 )
             validate(recipe, world_size=world if world is not None else 1)
-            _check_checkpoints(recipe, hashes=False)  # sha256 is checked by the ranks together
+            _check_checkpoints(recipe, hashes=False, lock=False)  # sha256: by the ranks; the lock: next
+            from .checkpoint import hold
             from .train import train
 
-            train(recipe)
+            with hold(recipe, _env_int("RANK") or 0):  # rank 0 holds checkpoint.dir's lock
+                train(recipe)
         elif args.command == "export-hf":
             from .checkpoint import export_hf
 
-            files = export_hf(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_mb * 1e6))
+            files = export_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_mb * 1e6)
             print(f"wrote {args.out}: config.json, {', '.join(files)}")
         elif args.command == "convert-nanotron":
             from .nanotron import convert_file
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             from .checkpoint import import_hf
 
             print(f"wrote {import_hf(args.hf_dir, args.out)}")
-    except RecipeError as e:
+    except UserError as e:
         rank = os.environ.get("RANK", "0")
         if not rank.strip().isdigit() or int(rank) == 0:  # one line per job, not one per rank
             print(f"error: {e}", file=sys.stderr)

@@ -28,8 +28,9 @@ from dtensor3d import checkpoint as ck
 from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
 from dtensor3d.datasets.sources import make_source
+from dtensor3d.errors import CheckpointError
 from dtensor3d.parallel.data import local_batch
-from dtensor3d.recipe import RecipeError, load_recipe
+from dtensor3d.recipe import load_recipe
 
 TOL = 1e-5
 MESH_822 = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"]
@@ -237,7 +238,7 @@ def test_interrupted_saves_are_never_taken(run_one, tmp_path):
     (ckpt / "latest").unlink()
     assert ck.resume_dir(recipe) == good
     for bad in ("step_00000012", "step_00000013"):
-        with pytest.raises(RecipeError, match="incomplete"):
+        with pytest.raises(CheckpointError, match="incomplete"):
             ck.resume_dir(load_recipe(PARITY, [f"checkpoint.resume={ckpt / bad}"]))
     # `none` ignores the directory; an empty or absent one means a fresh start.
     assert ck.resume_dir(load_recipe(PARITY, [f"checkpoint.dir={ckpt}", "checkpoint.resume=none"])) is None
@@ -308,7 +309,7 @@ def test_pickle_payload_is_never_executed(run_one, tmp_path):
     plant(step / "model-stage00.safetensors", marker)
     line = one_error_line(cli("validate", PARITY, f"checkpoint.resume={step}"))
     assert "model-stage00.safetensors" in line
-    with pytest.raises(RecipeError, match="model-stage00.safetensors"):
+    with pytest.raises(CheckpointError, match="model-stage00.safetensors"):
         load_model(step)
     # A manifest edited to list the pickle (with its true hash) is refused by name.
     shutil.copy(root / "ck" / "step_00000010" / "model-stage00.safetensors", step)
@@ -322,7 +323,7 @@ def test_pickle_payload_is_never_executed(run_one, tmp_path):
     hf.mkdir()
     shutil.copy(tmp_path / "hf" / "config.json", hf)
     plant(hf / "pytorch_model.bin", marker)
-    with pytest.raises(RecipeError, match="pytorch_model.bin"):
+    with pytest.raises(CheckpointError, match="pytorch_model.bin"):
         load_model(hf)
     assert "pytorch_model.bin" in one_error_line(cli("import-hf", str(hf), str(tmp_path / "imported")))
     assert not marker.exists()
@@ -526,7 +527,7 @@ def test_unsupported_hf_config_refused(key, value, expect):
     hf = transformers.LlamaConfig(**HF_CONFIG).to_dict()
     assert ck.config_from_hf(hf, "config.json").hidden_size == 64
     hf[key] = value
-    with pytest.raises(RecipeError, match=expect) as err:
+    with pytest.raises(CheckpointError, match=expect) as err:
         ck.config_from_hf(hf, "config.json")
     assert key in str(err.value)
 

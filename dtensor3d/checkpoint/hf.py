@@ -1,0 +1,380 @@
+"""Hugging Face interop: config.json <-> ModelConfig, tensor names (ours are
+LlamaForCausalLM's; Mixtral's experts are stacked here, one Linear each there), and the
+commands export-hf and import-hf, and `load_model` for a single-device model.
+
+Only safetensors are read; a directory holding only pickle weights is refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+
+from ..errors import CheckpointError, RecipeError
+from ..models import build_on_meta, materialize
+from ..models.llama import LlamaForCausalLM
+from ..parallel.shards import copy_full_
+from ..recipe import ModelConfig, Recipe, recipe_from_dict
+from .format import (
+    STATE,
+    TensorFiles,
+    check_tensors,
+    publish,
+    read_header,
+    read_json,
+    save_tensors,
+    seal,
+    step_name,
+    write_atomic,
+)
+from .store import check_checkpoint, expected_shapes, model_config, resolve
+
+HF_SINGLE, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Hugging Face LlamaConfig's defaults, for keys a config.json leaves out.
+HF_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
+# ModelConfig fields that a Llama config.json holds under the same name.
+LLAMA_KEYS = (*HF_DEFAULTS, "num_key_value_heads", "rope_theta")
+# ...and the ones a Mixtral config.json adds (with MixtralConfig's defaults).
+MIXTRAL_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+# Our stacked experts [E, in, out] <-> Mixtral's one Linear weight [out, in] per expert.
+EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
+
+
+# ---------------------------------------------------------------- names and shapes
+
+
+def hf_shapes(cfg) -> dict[str, list[int]]:
+    """Parameter shapes by Hugging Face name: ours, except Mixtral's experts one by one."""
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        m = EXPERTS_RE.match(name)
+        if m:
+            out.update({f"{m[1]}.{e}.{m[2]}.weight": [shape[2], shape[1]] for e in range(shape[0])})
+        else:
+            out[name] = shape
+    return out
+
+
+def to_hf(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One of our full tensors as Hugging Face tensors (stacked experts split and transposed)."""
+    m = EXPERTS_RE.match(name)
+    if not m:
+        return {name: full}
+    return {f"{m[1]}.{e}.{m[2]}.weight": w.T.contiguous() for e, w in enumerate(full.unbind(0))}
+
+
+class HFTensorFiles(TensorFiles):
+    """Our tensors by our names from a Hugging Face directory (Mixtral experts stacked)."""
+
+    def get(self, name: str) -> torch.Tensor:
+        m = EXPERTS_RE.match(name)
+        if not m:
+            return super().get(name)
+        count = sum(1 for n in self.index if n.startswith(m[1] + ".") and n.endswith(f".{m[2]}.weight"))
+        return torch.stack([TensorFiles.get(self, f"{m[1]}.{e}.{m[2]}.weight").T for e in range(count)])
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
+    """Refuse what this Llama cannot run, naming the config key."""
+
+    def refuse(key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {key}={hf.get(key)!r}: {why}")
+
+    if kind not in ("llama", "mixtral"):
+        raise refuse("model_type", "only Llama and Mixtral (model_type 'llama', 'mixtral') are supported")
+    if kind == "mixtral" and hf.get("sliding_window") is not None:
+        raise refuse("sliding_window", "sliding-window attention is not supported; use null")
+    if kind == "mixtral" and hf.get("router_jitter_noise", 0.0):
+        raise refuse("router_jitter_noise", "router noise is not supported; use 0.0")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", "only 'silu' (SwiGLU) is supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise refuse(key, "biases are not supported")
+    rope = hf.get("rope_parameters") or {}
+    if hf.get("rope_scaling") or rope.get("rope_type", rope.get("type", "default")) != "default":
+        key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        raise refuse(key, "only the default RoPE is supported (no scaling)")
+    if hf.get("attention_dropout", 0.0):
+        raise refuse("attention_dropout", "dropout is not supported; use 0.0")
+
+
+def config_from_hf(hf: dict, where: str) -> ModelConfig:
+    """A Hugging Face Llama / Mixtral config.json as a ModelConfig; what this Llama cannot run is refused."""
+    kind = hf.get("model_type", "llama")
+    _refuse_unsupported(hf, kind, where)
+    values = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items()}
+    if kind == "mixtral":
+        values.update({key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()})
+    values["num_key_value_heads"] = hf.get("num_key_value_heads") or values["num_attention_heads"]
+    rope = hf.get("rope_parameters") or {}
+    values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    try:
+        cfg = recipe_from_dict({"model": values}).model
+    except RecipeError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    if cfg.hidden_size % cfg.num_attention_heads or (hf.get("head_dim") or cfg.head_dim) != cfg.head_dim:
+        raise CheckpointError(
+            f"{where}: head_dim={hf.get('head_dim')!r}: only head_dim = hidden_size / num_attention_heads "
+            f"is supported ({cfg.hidden_size} / {cfg.num_attention_heads})"
+        )
+    return cfg
+
+
+# The fields of a config.json that are fixed for every model we write.
+_COMMON = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
+
+
+def hf_config(cfg) -> dict:
+    """config.json for transformers' LlamaForCausalLM, or MixtralForCausalLM for experts."""
+    fields = {key: getattr(cfg, key) for key in LLAMA_KEYS}
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    if not cfg.num_local_experts:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **fields,
+            "head_dim": cfg.head_dim,
+            **_COMMON,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rope_scaling": None,
+            **rope,
+            "pretraining_tp": 1,
+            "torch_dtype": "float32",
+        }
+    if cfg.shared_expert_intermediate_size or cfg.moe_layers is not None:
+        raise CheckpointError(
+            f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
+            f"moe_layers={cfg.moe_layers}: Mixtral has experts in every layer and no shared "
+            f"expert; only such a model exports to Hugging Face"
+        )
+    fields.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        **fields,
+        "head_dim": cfg.head_dim,
+        **_COMMON,
+        "sliding_window": None,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        **rope,
+        "torch_dtype": "float32",
+    }
+
+
+def read_hf_config(hf_dir: str, what: str) -> ModelConfig:
+    if not os.path.isdir(hf_dir):
+        raise CheckpointError(f"{what}={hf_dir!r}: no such directory; give a Hugging Face Llama directory")
+    path = os.path.join(hf_dir, "config.json")
+    return config_from_hf(read_json(path, "Hugging Face config"), path)
+
+
+# ---------------------------------------------------------------- a Hugging Face directory's tensors
+
+
+def _weight_map(hf_dir: str) -> dict[str, str]:
+    """Tensor name -> file, from the index or the single file; pickle weights are refused."""
+    if os.path.isfile(os.path.join(hf_dir, HF_INDEX)):
+        weight_map = read_json(os.path.join(hf_dir, HF_INDEX), "index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and os.path.basename(f) == f and f.endswith(".safetensors") for f in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{os.path.join(hf_dir, HF_INDEX)}: weight_map must map names to safetensors "
+                f"files in the same directory"
+            )
+        return weight_map
+    if os.path.isfile(os.path.join(hf_dir, HF_SINGLE)):
+        return {name: HF_SINGLE for name in read_header(os.path.join(hf_dir, HF_SINGLE))}
+    pickles = sorted(f for f in os.listdir(hf_dir) if f.endswith(PICKLE_SUFFIXES))
+    also = f"; {', '.join(pickles)} (pickle) is never loaded: convert it to safetensors" if pickles else ""
+    raise CheckpointError(f"{hf_dir}: no {HF_SINGLE} or {HF_INDEX}{also}")
+
+
+def hf_index(hf_dir: str, cfg) -> dict[str, str]:
+    """Tensor name -> safetensors file of a Hugging Face directory, checked against `cfg`."""
+    weight_map = _weight_map(hf_dir)
+    for file in sorted(set(weight_map.values())):
+        if not os.path.isfile(os.path.join(hf_dir, file)):
+            raise CheckpointError(f"{os.path.join(hf_dir, file)} is missing (a shard listed in {HF_INDEX})")
+    weight_map = {
+        n: f
+        for n, f in weight_map.items()
+        if not n.endswith("rotary_emb.inv_freq") and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    }
+    check_tensors(hf_dir, weight_map, hf_shapes(cfg))
+    return weight_map
+
+
+def check_hf_init(recipe) -> dict[str, str]:
+    """checkpoint.init_from_hf against the recipe's model; returns the tensor index."""
+    hf_dir = recipe.checkpoint.init_from_hf
+    theirs = read_hf_config(hf_dir, "checkpoint.init_from_hf")
+    for f in dataclasses.fields(ModelConfig):
+        if getattr(theirs, f.name) != getattr(recipe.model, f.name):
+            raise CheckpointError(
+                f"checkpoint.init_from_hf={hf_dir!r}: config.json has {f.name}="
+                f"{getattr(theirs, f.name)!r} but the recipe has model.{f.name}="
+                f"{getattr(recipe.model, f.name)!r}; set model.{f.name}: {getattr(theirs, f.name)!r}"
+            )
+    return hf_index(hf_dir, recipe.model)
+
+
+def load_params(model: torch.nn.Module, files: TensorFiles) -> None:
+    """Every parameter of `model` from its full tensor in `files`; this rank keeps its slice."""
+    for name, p in model.named_parameters():
+        full = files.get(name)
+        if list(full.shape) != list(p.shape):
+            raise CheckpointError(f"{name}: the file holds shape {list(full.shape)}, the model needs {list(p.shape)}")
+        copy_full_(p, full)
+
+
+def model_source(path: str, what: str) -> tuple[ModelConfig, TensorFiles]:
+    """(config, its tensors by our names) of a Hugging Face directory or a dtensor3d
+    checkpoint (step directory, or checkpoint directory meaning its newest); fully checked."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        cfg = read_hf_config(path, what)
+        return cfg, HFTensorFiles(path, hf_index(path, cfg))
+    step_dir = resolve(path, what)
+    record = check_checkpoint(step_dir, None, hashes=True)
+    return model_config(record, os.path.join(step_dir, STATE)), TensorFiles(step_dir, record["tensors"]["model"])
+
+
+def load_model(path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A single-device LlamaForCausalLM (forward(input_ids) -> logits [batch, seq, vocab])
+    from a dtensor3d checkpoint (step or checkpoint directory) or a Hugging Face Llama
+    directory, on the CPU, in eval mode."""
+    cfg, files = model_source(str(path), "load_model")
+    model = materialize(build_on_meta(cfg), "cpu")
+    with files:
+        load_params(model, files)
+    return model.to(dtype).eval()
+
+
+# ---------------------------------------------------------------- export-hf, import-hf
+
+
+def _new_dir(out: str) -> None:
+    """Refuse to write into an existing, non-empty directory (nothing is overwritten), or
+    where this process cannot write (OUT, or the nearest directory above it that exists)."""
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise CheckpointError(f"OUT={out!r} exists and is not empty; nothing was written; give a new directory")
+    where = os.path.abspath(out)
+    while not os.path.isdir(where):
+        where = os.path.dirname(where)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=where)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(
+            f"OUT={out!r}: cannot write {where} ({e.strerror or e}); nothing was written; give a writable directory"
+        ) from None
+
+
+@contextlib.contextmanager
+def _writing(out: str, tmp: str):
+    """Turn a failing write under OUT into one line naming it; the partial `tmp` is removed."""
+    try:
+        yield
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"OUT={out!r}: cannot write {err.filename or out} ({err.strerror or err}); nothing was written; "
+            f"give a writable directory"
+        ) from None
+
+
+def _shard_names(root: str, index: dict[str, str], max_bytes: int) -> list[list[str]]:
+    """Tensor names in groups of at most max_bytes (one tensor per group at least)."""
+    headers = {f: read_header(os.path.join(root, f)) for f in set(index.values())}
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in index:
+        offsets = headers[index[name]][name]["data_offsets"]
+        n = offsets[1] - offsets[0]
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _write_hf(source: TensorFiles, tmp: str, shards: list[list[str]]) -> list[str]:
+    """The safetensors files (and the index when there are several) of an export."""
+    files = (
+        [HF_SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    with source:
+        for file, names in zip(files, shards):
+            tensors = {k: v for n in names for k, v in to_hf(n, source.get(n)).items()}
+            save_tensors(tensors, os.path.join(tmp, file))
+            weight_map.update(dict.fromkeys(tensors, file))
+    if len(files) > 1:
+        total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_atomic(os.path.join(tmp, HF_INDEX), json.dumps(index, indent=1))
+    return files
+
+
+def export_hf(ckpt: str, out: str, max_shard_bytes: float = 5_000_000_000) -> list[str]:
+    """Write config.json and model.safetensors (or shards + index) for transformers."""
+    if not max_shard_bytes > 0 or max_shard_bytes == float("inf"):
+        raise RecipeError(f"--max-shard-mb={max_shard_bytes / 1e6:g}: must be a positive number of megabytes")
+    cfg, source = model_source(ckpt, "CKPT")
+    config = hf_config(cfg)
+    _new_dir(out)
+    tmp = f"{out.rstrip(os.sep)}.tmp-export"
+    with _writing(out, tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        files = _write_hf(source, tmp, _shard_names(source.root, source.index, int(max_shard_bytes)))
+        write_atomic(os.path.join(tmp, "config.json"), json.dumps(config, indent=1))
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.rename(tmp, out)
+    return files
+
+
+def import_hf(hf_dir: str, out: str) -> str:
+    """A Hugging Face Llama directory as a dtensor3d checkpoint directory (step 0, no
+    optimizer state); returns its step directory."""
+    cfg = read_hf_config(hf_dir, "DIR")
+    index = hf_index(hf_dir, cfg)
+    _new_dir(out)
+    name = step_name(0)
+    tmp = os.path.join(out, f".tmp-{name}")
+    created = not os.path.exists(out)
+    with _writing(out, out if created else tmp):
+        os.makedirs(tmp)
+        with HFTensorFiles(hf_dir, index) as source:
+            tensors = {n: source.get(n).contiguous() for n in expected_shapes(cfg)}
+            save_tensors(tensors, os.path.join(tmp, "model-stage00.safetensors"))
+        seal(tmp, {"step": 0, "source": os.path.abspath(hf_dir), "recipe": Recipe(model=cfg).to_dict()})
+        return publish(out, tmp, name)

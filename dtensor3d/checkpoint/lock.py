@@ -1,0 +1,127 @@
+"""One run at a time per checkpoint directory: `checkpoint.dir/LOCK` holds the host and pid
+of the run writing there. A second run is refused with one line naming the holder; a lock
+left by a process that is no longer running on this host is taken over with a warning line.
+Only the job's rank 0 holds it, from before the process group starts until it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+
+from ..errors import CheckpointError
+
+LOCK = "LOCK"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host is running (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    return True
+
+
+def read_lock(path: str) -> dict | None:
+    """The holder recorded in a lock file ({} when unreadable), or None when there is none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def is_stale(holder: dict) -> bool:
+    """A lock of this host whose process is gone (or ours, left by an earlier life of this pid)."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    return holder["pid"] == os.getpid() or not _alive(holder["pid"])
+
+
+def check_lock(ckpt_dir: str) -> dict | None:
+    """Refuse a checkpoint directory another live run holds; returns a stale holder (or None)."""
+    path = os.path.join(ckpt_dir, LOCK)
+    holder = read_lock(path)
+    if holder is None or is_stale(holder):
+        return holder
+    who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since {holder.get('since', '?')}"
+    raise CheckpointError(
+        f"checkpoint.dir={ckpt_dir!r} is in use by another run ({who}; {path}); one run at a time writes "
+        f"a checkpoint directory: wait for it, use another checkpoint.dir, or delete {path} if that run is gone"
+    )
+
+
+def _create(path: str) -> bool:
+    """Create the lock file with this process as holder; False when one exists."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(holder, f)
+    return True
+
+
+def acquire(ckpt_dir: str) -> None:
+    """Take the lock of `ckpt_dir` (created if missing), taking over a stale one with a warning."""
+    path = os.path.join(ckpt_dir, LOCK)
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        for _ in range(3):
+            if _create(path):
+                return
+            stale = check_lock(ckpt_dir)
+            if stale is not None:
+                aside = f"{path}.stale-{os.getpid()}"
+                os.replace(path, aside)  # one taker wins the rename; a fresh lock is put back
+                if read_lock(aside) != stale:
+                    os.replace(aside, path)
+                    continue
+                os.remove(aside)
+                print(
+                    f"warning: checkpoint.dir={ckpt_dir!r}: took over the lock of pid {stale.get('pid')} on "
+                    f"{stale.get('host')}, which is no longer running",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir={ckpt_dir!r}: cannot create {path} ({e.strerror or e})") from None
+    raise CheckpointError(f"checkpoint.dir={ckpt_dir!r}: could not take {path}; another run is starting there")
+
+
+def release(ckpt_dir: str) -> None:
+    """Remove the lock if this process holds it."""
+    path = os.path.join(ckpt_dir, LOCK)
+    holder = read_lock(path)
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def hold(recipe, rank: int):
+    """Hold checkpoint.dir's lock for the body when this is the job's rank 0 and the recipe
+    writes checkpoints; otherwise do nothing."""
+    ckpt_dir = recipe.checkpoint.dir
+    if not ckpt_dir or rank != 0:
+        yield
+        return
+    acquire(ckpt_dir)
+    try:
+        yield
+    finally:
+        release(ckpt_dir)

@@ -1,0 +1,136 @@
+"""How a run starts from disk: the checks at the door (before any process group) and the
+load in setup (resume from a step directory, or Hugging Face init).
+
+Loading reads the full tensors this rank's stage needs and keeps its slice
+(`parallel.shards.copy_full_`, the path of the topology-independent init), so a
+checkpoint resumes at any mesh. The ranks split the sha256 checks between them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError, UserError
+from ..parallel.shards import copy_full_
+from .format import STATE, TensorFiles, corrupt, read_manifest, sha256_file
+from .hf import HFTensorFiles, check_hf_init, load_params
+from .lock import check_lock
+from .store import check_checkpoint, check_trajectory, resume_target
+
+
+def check_dir_writable(ckpt_dir: str) -> None:
+    """checkpoint.dir is a directory this process can write (created when missing)."""
+    if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"checkpoint.dir={ckpt_dir!r} is an existing file, not a directory; give a directory")
+    probe = os.path.join(ckpt_dir, f".write-probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write("probe\n")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint.dir={ckpt_dir!r} is not writable ({e.strerror or e}); checkpoints could not be "
+            f"saved there; give a writable directory"
+        ) from None
+
+
+def check_at_door(recipe, hashes: bool, lock: bool = True) -> None:
+    """The checks before any process group: checkpoint.dir writable (and, if `lock`, held by
+    no other run); the checkpoint a run resumes from, against the recipe (model, trajectory,
+    files; `hashes`: every file's sha256 too), or else its `init_from_hf` directory.
+    Warnings about broken newer steps are printed once, by rank 0 (the RANK variable)."""
+    c = recipe.checkpoint
+    if c.dir:
+        check_dir_writable(c.dir)
+        if lock:
+            check_lock(c.dir)
+    step_dir, warnings = resume_target(recipe)
+    if os.environ.get("RANK", "0").strip() in ("0", ""):
+        for line in warnings:
+            print(line, file=sys.stderr, flush=True)
+    if step_dir:
+        record = check_checkpoint(step_dir, recipe.model, hashes)
+        if "source" not in record:  # an import-hf checkpoint starts a run; it continues none
+            check_trajectory(record, recipe, os.path.join(step_dir, STATE))
+    elif c.init_from_hf:
+        check_hf_init(recipe)
+
+
+def load_optimizer(optimizer, model: torch.nn.Module, files: TensorFiles) -> None:
+    """Rebuild the optimizer state of this rank's parameters from full tensors."""
+    keys: dict[str, list[str]] = {}
+    for entry in files.index:
+        param, _, key = entry.rpartition(".")
+        keys.setdefault(param, []).append(key)
+    for name, p in model.named_parameters():
+        entry = {}
+        for key in sorted(keys.get(name, [])):
+            full = files.get(f"{name}.{key}")
+            if full.ndim == 0:  # AdamW's step counter, kept on the CPU as AdamW keeps it
+                entry[key] = full.clone()
+            else:
+                entry[key] = torch.zeros_like(p)
+                copy_full_(entry[key], full)
+        if entry:
+            optimizer.state[p] = entry
+
+
+def verify_hashes(step_dir: str, files: dict) -> None:
+    """sha256 of every manifest file, split over the ranks; every rank raises the same error."""
+    names, rank, world = sorted(files), dist.get_rank(), dist.get_world_size()
+    bad = torch.zeros(len(names), dtype=torch.int32)
+    for i in range(rank, len(names), world):
+        bad[i] = sha256_file(os.path.join(step_dir, names[i])) != files[names[i]]["sha256"]
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.any():
+        raise CheckpointError(corrupt(os.path.join(step_dir, names[int(bad.nonzero()[0])])))
+
+
+def resume(state, step_dir: str) -> None:
+    """Model, optimizer, step and RNG of `state` from a step directory."""
+    record = check_checkpoint(step_dir, state.recipe.model, hashes=False)
+    if "source" not in record:
+        check_trajectory(record, state.recipe, os.path.join(step_dir, STATE))
+    verify_hashes(step_dir, read_manifest(step_dir)["files"])
+    index = record["tensors"]
+    with TensorFiles(step_dir, index["model"]) as files:
+        load_params(state.model, files)
+    with TensorFiles(step_dir, index.get("optim") or {}) as files:
+        load_optimizer(state.optimizer, state.model, files)
+    state.step = int(record["step"])
+    rng = record.get("rng") or {}
+    if "cpu" in rng:
+        torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
+    if "cuda" in rng and state.device.type == "cuda":
+        torch.cuda.set_rng_state(torch.tensor(rng["cuda"], dtype=torch.uint8), state.device)
+
+
+def load_at_start(state) -> None:
+    """In setup: resume from checkpoint.resume, or else start from checkpoint.init_from_hf."""
+    recipe, start = state.recipe, time.perf_counter()
+    try:
+        step_dir, _ = resume_target(recipe)
+        if step_dir:
+            resume(state, step_dir)
+            what = f"resumed from {step_dir} at step {state.step}"
+        elif recipe.checkpoint.init_from_hf:
+            hf_dir = recipe.checkpoint.init_from_hf
+            with HFTensorFiles(hf_dir, check_hf_init(recipe)) as files:
+                load_params(state.model, files)
+            what = f"initialised from Hugging Face weights {hf_dir}"
+        else:
+            return
+    except UserError:
+        dist.destroy_process_group()
+        raise
+    if dist.get_rank() == 0:
+        print(f"checkpoint: {what} in {time.perf_counter() - start:.2f} s", flush=True)
+        if state.step >= recipe.training.steps:
+            print(f"checkpoint: step {state.step} is training.steps={recipe.training.steps}: nothing left to train")
