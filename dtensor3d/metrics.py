@@ -49,6 +49,7 @@ def peak_memory_gib(device: torch.device) -> float:
 TB_TAGS = {
     "loss": "loss/train",
     "val_loss": "loss/val",
+    "val_ppl": "loss/val_ppl",
     "lr": "optim/lr",
     "grad_norm": "optim/grad_norm",
     "tokens_per_sec": "perf/tokens_per_sec",

@@ -76,6 +76,12 @@ COMPUTED = {
     "optimizer.learning_rate_scheduler.lr_decay_starting_step",
     "optimizer.learning_rate_scheduler.min_decay_lr",
     "checkpoints.resume_checkpoint_path",
+    "profiler.profiler_export_path",
+    "profiler.wait",
+    "profiler.warmup",
+    "profiler.active",
+    "profiler.repeat",
+    "profiler.skip_first",
     "data_stages",
     "data_stages.*.name",
     "data_stages.*.start_training_step",
@@ -153,12 +159,6 @@ IGNORED = {
     "tokenizer.tokenizer_name_or_path",
     "tokenizer.tokenizer_revision",
     "tokenizer.tokenizer_max_length",
-    "profiler.profiler_export_path",
-    "profiler.wait",
-    "profiler.warmup",
-    "profiler.active",
-    "profiler.repeat",
-    "profiler.skip_first",
     "profiler.record_shapes",
     "profiler.profile_memory",
     "profiler.with_stack",
@@ -419,6 +419,20 @@ def _data(r: _Reader) -> Fields:
     )
 
 
+def _profiler(r: _Reader) -> Fields:
+    """nanotron's torch.profiler schedule (skip_first, then wait, warmup, active steps) -> the
+    1-based steps it records; dtensor3d writes the traces to <run_dir>/profile."""
+    if not r.given("profiler.profiler_export_path"):
+        return {}
+    p = {k: r.get(f"profiler.{k}", d) for k, d in (("skip_first", 3), ("wait", 1), ("warmup", 1), ("active", 1))}
+    first = p["skip_first"] + p["wait"] + p["warmup"] + 1
+    last, steps = first + p["active"] - 1, r.get("tokens.train_steps", REQUIRED)
+    if last > steps:
+        raise _Refusal("profiler", p, f"it profiles steps {first}..{last}, past tokens.train_steps={steps}")
+    why = "profiler: steps skip_first + wait + warmup + 1 .. + active - 1 (repeat: once), traces in run_dir/profile"
+    return {"logging.profile_steps": ([first, last], why)}
+
+
 def _refusals(flat: dict[str, Any]) -> list[str]:
     out = []
     for path, value in flat.items():
@@ -438,6 +452,7 @@ def _map(flat: dict[str, Any], skip: set[str]) -> tuple[Fields, list[str]]:
         _training: None,
         _optimizer: None,
         _checkpoint: None,
+        _profiler: None,
         _data: {"data.kind", "data.path"},
     }
     for fn, produces in steps.items():

@@ -114,6 +114,16 @@ def test_every_field_maps_onto_the_native_recipe():
     assert not any(key.startswith("general.step") for key in conv.ignored)  # null values are not listed
 
 
+def test_profiler_schedule_maps_onto_profile_steps():
+    prof = ["profiler.profiler_export_path=./tb_logs", "profiler.skip_first=1", "profiler.active=2"]
+    # 0-based: step 0 skipped, 1 wait, 2 warmup, 3 and 4 recorded: 1-based steps 4 and 5.
+    conv = convert(raw_config(), SHRINK + prof + ["tokens.train_steps=6", f"{LR}.lr_decay_steps=5"])
+    assert conv.recipe.logging.profile_steps == (4, 5)
+    assert convert(raw_config(), SHRINK).recipe.logging.profile_steps is None  # profiler: null
+    with pytest.raises(RecipeError, match=r"profiler=.* profiles steps 4\.\.5, past tokens.train_steps=4"):
+        convert(raw_config(), SHRINK + prof)
+
+
 def test_overrides_in_either_spelling():
     nano = convert(
         raw_config(), SHRINK + [f"{LR}.learning_rate=0.002", "tokens.train_steps=6", f"{LR}.lr_decay_steps=5"]
