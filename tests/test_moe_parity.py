@@ -46,6 +46,9 @@ def test_moe_parity(name, moe_reference, tmp_path, record_property):
             assert rel <= TOL, f"step {r['step']} {key}: {g[key]!r} vs 1-process {r[key]!r} (rel {rel:.2e})"
             worst[key] = max(worst[key], rel)
         assert g["tokens_per_expert"] == r["tokens_per_expert"], r["step"]
+        if r["step"] % 5 == 0:  # the validation loss, forward only, at steps 5 and 10
+            rel = abs(g["val_loss"] - r["val_loss"]) / r["val_loss"]
+            assert rel <= TOL, f"step {r['step']} val_loss: {g['val_loss']!r} vs {r['val_loss']!r} (rel {rel:.2e})"
     for key, rel in worst.items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
     # 8 sequences x 32 tokens x top-2 x 4 MoE layers routed slots per step.

@@ -79,6 +79,12 @@ def assert_parity(got: list[dict], ref: list[dict], lrs: list[float], keys=("los
             rel = abs(g[key] - r[key]) / abs(r[key])
             assert rel <= TOL, f"step {r['step']} {key}: {g[key]!r} vs 1-process {r[key]!r} (rel {rel:.2e})"
             worst[key] = max(worst[key], rel)
+        # The validation loss (steps 5 and 10): forward only, the same windows at every mesh.
+        assert ("val_loss" in g) == ("val_loss" in r) == (r["step"] % 5 == 0), r["step"]
+        if "val_loss" in r:
+            rel = abs(g["val_loss"] - r["val_loss"]) / r["val_loss"]
+            assert rel <= TOL, f"step {r['step']} val_loss: {g['val_loss']!r} vs {r['val_loss']!r} (rel {rel:.2e})"
+            worst["val_loss"] = max(worst.get("val_loss", 0.0), rel)
         want = lrs[r["step"] - 1]
         assert math.isclose(g["lr"], want, rel_tol=1e-12) and math.isclose(r["lr"], want, rel_tol=1e-12), (g, r, want)
     return worst
