@@ -146,6 +146,9 @@ class TrainingConfig:
     device: str = "auto"
     eval_every: int = 0  # steps between validation losses (and at the last step); 0: never
     eval_batches: int = 1  # global batches of validation windows per evaluation
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop (one error line) | skip the update
+    max_skipped_steps: int = 10  # on_nonfinite=skip: stop after this many consecutive skipped steps
+    timeout_s: float = 600.0  # a collective that does not complete in this time ends the run
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,8 @@ class CheckpointConfig:
     resume: str = "auto"  # auto (newest complete in dir) | none | a step or checkpoint directory
     keep: int = 2
     init_from_hf: str | None = None  # a Hugging Face Llama directory to start from (no resume)
+    preempt_timeout_s: float = 120.0  # SIGTERM/SIGINT: stop, save and exit within this time
+    async_save: bool = False  # `async: true`: write checkpoints in the background while training goes on
 
 
 @dataclass(frozen=True)
@@ -200,7 +205,12 @@ class Recipe:
         return t.global_batch_size // (t.micro_batch_size * p.batch_ranks)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every setting as plain YAML types, less those that cannot apply (the expert settings
+        of a dense model), so that the dict read back as a recipe is accepted."""
         out = dataclasses.asdict(self)
+        if not self.model.num_local_experts:
+            for key in EXPERT_ONLY:
+                del out["model"][key]
         for section in out.values():
             for key, value in section.items():
                 if isinstance(value, tuple):
@@ -219,7 +229,11 @@ _SECTION_CLASSES = {
     "logging": LoggingConfig,
 }
 # nanotron's long names for the short ones we keep.
-ALIASES = {("parallelism", "context_parallel_size"): "cp", ("parallelism", "expert_parallel_size"): "ep"}
+ALIASES = {
+    ("parallelism", "context_parallel_size"): "cp",
+    ("parallelism", "expert_parallel_size"): "ep",
+    ("checkpoint", "async"): "async_save",  # `async` is a Python keyword
+}
 ENUMS = {
     ("parallelism", "pp_engine"): ("1f1b", "afab"),
     ("parallelism", "tp_mode"): ("ALL_REDUCE", "REDUCE_SCATTER"),
@@ -228,6 +242,11 @@ ENUMS = {
     ("training", "device"): ("auto", "cpu", "cuda"),
     ("optimizer", "decay"): ("cosine", "linear", "constant"),
     ("data", "kind"): ("synthetic", "tokens"),
+    ("training", "on_nonfinite"): ("stop", "skip"),
+}
+NON_EMPTY = {
+    "logging.run_dir": "a directory path, e.g. runs/debug",
+    "checkpoint.resume": "auto, none, or a step or checkpoint directory",
 }
 POSITIVE = {
     "model": (
@@ -259,7 +278,7 @@ def _coerce(where: str, value: Any, annotation: str) -> Any:
     ann = annotation.replace(" ", "")
     optional = ann.endswith("|None")
     ann = ann.removesuffix("|None")
-    if value is None and optional:
+    if (value is None or value == "") and optional:  # an empty value unsets an optional field
         return None
     if ann == "int" and isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -284,9 +303,33 @@ def _coerce(where: str, value: Any, annotation: str) -> Any:
         return tuple(_coerce(where, v, "float") for v in value)
     if ann == "tuple[int,...]" and isinstance(value, (list, tuple)):
         return tuple(_coerce(where, v, "int") for v in value)
+    raise _wrong_type(where, value, ann, optional)
+
+
+def _wrong_type(where: str, value: Any, ann: str, optional: bool) -> RecipeError:
+    """The one line for a value of the wrong type (an empty value and a non-integer number
+    each get their own words: YAML 1.1 reads `1e9` as a string)."""
     expected = {"tuple[float,float]": "a list of two numbers", "tuple[int,...]": "a list of integers"}
     want = expected.get(ann, ann) + (" or null" if optional else "")
-    raise _fail(f"{where}={value!r} has type {_type_name(value)}; expected {want}")
+    if value == "":
+        return _fail(f"{where}='' is the empty string; expected {want}")
+    number = _as_number(value)
+    if ann == "int" and number is not None:
+        hint = f", e.g. {int(number)}" if math.isfinite(number) and number.is_integer() else ""
+        return _fail(f"{where}={value} must be an integer (expected int{hint})")
+    return _fail(f"{where}={value!r} has type {_type_name(value)}; expected {want}")
+
+
+def _as_number(value: Any) -> float | None:
+    """A float, or a string that reads as a number in YAML 1.2 (`1e9`, `3.5`); else None."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str) and value.strip() and not value.strip().lstrip("+-").isdigit():
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def _suggest(name: str, valid: list[str]) -> str:
@@ -318,6 +361,8 @@ def _build_section(name: str, raw: Any) -> Any:
             if not match:
                 raise _fail(f"{where}={value!r} is not a valid choice; valid: {', '.join(choices)}")
             value = match[0]
+        elif value == "":  # a non-optional string that is no choice: run_dir, resume
+            raise _fail(f"{where}='' is the empty string; expected {NON_EMPTY.get(where, 'a non-empty str')}")
         if canon in values and values[canon] != value:
             raise _fail(
                 f"{where}={value!r} conflicts with {name}.{spelled[canon]}={values[canon]!r} "
@@ -337,7 +382,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if len(keys) != 2 or not all(keys):
         raise _fail(f"override {text!r}: key {path!r} must be section.key, e.g. training.steps=20")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.safe_load(raw) if raw.strip() else ""  # `key=`: the empty string (unsets an optional key)
     except yaml.YAMLError:
         raise _fail(f"override {text!r}: value {raw!r} is not a YAML scalar") from None
     return keys, value
@@ -380,26 +425,61 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return raw
 
 
-def recipe_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+def recipe_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), strict: bool = False) -> Recipe:
+    """A Recipe from a YAML mapping and key.path=value overrides. `strict` (a user's recipe, not
+    a saved record): settings given that cannot apply to this model are refused too."""
     raw = {str(k): v for k, v in raw.items()}
     for section in raw:
         if section not in SECTIONS:
             raise _fail(f"{section}: unknown section; {_suggest(section, list(SECTIONS))}")
+    raw = _apply_overrides(raw, overrides)
+    recipe = Recipe(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
+    if strict:
+        _check_applicable(raw, recipe)
+    return recipe
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """raw with each override set; a key given twice on the command line is refused, as in a file."""
+    given: dict[tuple[str, str], tuple[str, Any]] = {}  # (section, canonical key) -> (override, value)
     for text in overrides:
         (section, key), value = parse_override(text)
         if section not in SECTIONS:
             raise _fail(f"override {text!r}: unknown section {section!r}; {_suggest(section, list(SECTIONS))}")
+        canon = ALIASES.get((section, key), key)
+        if (section, canon) in given:
+            before, old = given[(section, canon)]
+            if before.partition("=")[0].strip() == f"{section}.{key}":
+                raise _fail(f"override {text!r}: {section}.{key} is given twice on the command line; give it once")
+            if old != value:
+                raise _fail(f"override {text!r} conflicts with {before!r} (aliases of one setting); give one of them")
+        given[(section, canon)] = (text, value)
         body = raw.get(section)
         body = dict(body) if isinstance(body, dict) else {}
         # An override of an alias replaces whichever spelling the file used.
-        canon = ALIASES.get((section, key), key)
         for (s, alias), target in ALIASES.items():
             if s == section and target == canon:
                 body.pop(alias, None)
         body.pop(canon, None)
         body[key] = value
         raw[section] = body
-    return Recipe(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
+    return raw
+
+
+# Model settings that only a mixture of experts uses (model.num_local_experts > 0).
+EXPERT_ONLY = ("num_experts_per_tok", "router_aux_loss_coef", "shared_expert_intermediate_size")
+
+
+def _check_applicable(raw: dict[str, Any], recipe: Recipe) -> None:
+    """Settings the recipe or an override gave that cannot apply (their defaults are not refused)."""
+    model = raw.get("model") or {}
+    if recipe.model.num_local_experts == 0:
+        given = [f"model.{k}={model[k]}" for k in EXPERT_ONLY if k in model]
+        if given:
+            raise _fail(
+                f"{', '.join(given)}: expert settings on a dense model (model.num_local_experts=0) cannot "
+                f"apply; remove them, or set num_local_experts > 0 for a mixture of experts"
+            )
 
 
 def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None) -> Recipe:
@@ -408,7 +488,7 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_si
     raw = _read_yaml(path)
     from .nanotron import is_nanotron, load_nanotron  # nanotron.py imports this module
 
-    recipe = load_nanotron(raw, overrides) if is_nanotron(raw) else recipe_from_dict(raw, overrides)
+    recipe = load_nanotron(raw, overrides) if is_nanotron(raw) else recipe_from_dict(raw, overrides, strict=True)
     validate(recipe, world_size)
     return recipe
 
@@ -419,7 +499,7 @@ def _divisors(n: int) -> str:
 
 def validate(recipe: Recipe, world_size: int | None = None) -> None:
     """Every cross-field check that needs only the recipe and the world size."""
-    m, p, t, o = recipe.model, recipe.parallelism, recipe.training, recipe.optimizer
+    m, p, o = recipe.model, recipe.parallelism, recipe.optimizer
     for section, keys in POSITIVE.items():
         for key in keys:
             value = getattr(getattr(recipe, section), key)
@@ -431,6 +511,15 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
             f"parallelism: ep*pp*dp*cp*tp = {sizes} = {p.world_size} but the world size is "
             f"{world_size}; choose sizes whose product is {world_size}"
         )
+    _validate_model(m, p)
+    _validate_stages(m, p)
+    _validate_batch(recipe)
+    _validate_optimizer(o)
+    _validate_rest(recipe)
+
+
+def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
+    """Model shapes, and their divisibility by tp."""
     if m.num_attention_heads % p.tp:
         raise _fail(
             f"parallelism.tp={p.tp}: model.num_attention_heads={m.num_attention_heads} is not "
@@ -451,6 +540,21 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
             f"model.num_key_value_heads={m.num_key_value_heads} does not divide num_attention_heads="
             f"{m.num_attention_heads}; valid: {_divisors(m.num_attention_heads)}"
         )
+    _validate_experts(m)
+    if m.rms_norm_eps <= 0 or m.rope_theta <= 0:
+        raise _fail(f"model.rms_norm_eps={m.rms_norm_eps}, rope_theta={m.rope_theta}: both must be > 0")
+    if m.head_dim % 2:
+        raise _fail(f"model.hidden_size={m.hidden_size}: head dim {m.head_dim} must be even for RoPE")
+    if m.intermediate_size % p.tp:
+        raise _fail(f"parallelism.tp={p.tp}: model.intermediate_size={m.intermediate_size} is not divisible by tp")
+    if m.vocab_size % p.tp:
+        raise _fail(
+            f"parallelism.tp={p.tp}: model.vocab_size={m.vocab_size} is not divisible by tp; "
+            f"pad the vocabulary to a multiple of {p.tp}"
+        )
+
+
+def _validate_experts(m: ModelConfig) -> None:
     if m.num_local_experts < 0:
         raise _fail(f"model.num_local_experts={m.num_local_experts} must be >= 0 (0: no experts)")
     if m.num_local_experts and not 1 <= m.num_experts_per_tok <= m.num_local_experts:
@@ -469,17 +573,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
             f"model.moe_layers={list(m.moe_layers)} must list layer indices in 0.."
             f"{m.num_hidden_layers - 1} of a model with experts (num_local_experts > 0)"
         )
-    if m.rms_norm_eps <= 0 or m.rope_theta <= 0:
-        raise _fail(f"model.rms_norm_eps={m.rms_norm_eps}, rope_theta={m.rope_theta}: both must be > 0")
-    if m.head_dim % 2:
-        raise _fail(f"model.hidden_size={m.hidden_size}: head dim {m.head_dim} must be even for RoPE")
-    if m.intermediate_size % p.tp:
-        raise _fail(f"parallelism.tp={p.tp}: model.intermediate_size={m.intermediate_size} is not divisible by tp")
-    if m.vocab_size % p.tp:
-        raise _fail(
-            f"parallelism.tp={p.tp}: model.vocab_size={m.vocab_size} is not divisible by tp; "
-            f"pad the vocabulary to a multiple of {p.tp}"
-        )
+
+
+def _validate_stages(m: ModelConfig, p: ParallelismConfig) -> None:
+    """Layers against pipeline stages; experts against ep."""
     if m.num_hidden_layers < p.pp:
         raise _fail(
             f"parallelism.pp={p.pp}: model.num_hidden_layers={m.num_hidden_layers} is fewer than "
@@ -503,6 +600,11 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
             f"parallelism.ep={p.ep}: model.num_local_experts={m.num_local_experts} is not "
             f"divisible by ep; valid ep: {_divisors(m.num_local_experts)}"
         )
+
+
+def _validate_batch(recipe: Recipe) -> None:
+    """The global batch against microbatches and ranks; the sequence against cp and tp."""
+    m, p, t = recipe.model, recipe.parallelism, recipe.training
     per_step = t.micro_batch_size * p.dp * p.ep
     if t.global_batch_size % per_step:
         raise _fail(
@@ -531,6 +633,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
             f"training.sequence_length={t.sequence_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}"
         )
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise _fail(f"optimizer.lr={o.lr}, min_lr={o.min_lr}: need lr > 0 and 0 <= min_lr <= lr")
     if o.warmup_steps < 0 or o.clip_grad < 0 or o.weight_decay < 0 or o.eps <= 0:
@@ -540,13 +645,38 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         )
     if not all(0.0 <= b < 1.0 for b in o.betas):
         raise _fail(f"optimizer.betas={list(o.betas)}: each beta must be in [0, 1)")
+
+
+def _validate_rest(recipe: Recipe) -> None:
+    """Data, logging, the seed, checkpoints and evaluation."""
     if recipe.data.kind == "tokens" and not recipe.data.path:
         raise _fail("data.path is required with data.kind 'tokens'; give the path of a token file")
     _validate_logging(recipe)
+    _validate_seed(recipe.training.seed)
     if recipe.checkpoint.interval < 0:
         raise _fail(f"checkpoint.interval={recipe.checkpoint.interval} must be >= 0 (0: only at the end)")
     if recipe.training.eval_every < 0:
         raise _fail(f"training.eval_every={recipe.training.eval_every} must be >= 0 (0: never evaluate)")
+    _validate_faults(recipe)
+
+
+def _validate_faults(recipe: Recipe) -> None:
+    t, c = recipe.training, recipe.checkpoint
+    if t.max_skipped_steps < 1:
+        raise _fail(f"training.max_skipped_steps={t.max_skipped_steps} must be a positive integer")
+    for where, value in (("training.timeout_s", t.timeout_s), ("checkpoint.preempt_timeout_s", c.preempt_timeout_s)):
+        if value <= 0:
+            raise _fail(f"{where}={value:g} must be a positive number of seconds")
+
+
+# torch.manual_seed takes 64 bits, but per-sample seeds are derived from it (seed * 1_000_003 + i
+# in datasets/sources.py); 32 bits keep those within range, as numpy's seeds are.
+SEED_MAX = 2**32 - 1
+
+
+def _validate_seed(seed: int) -> None:
+    if not 0 <= seed <= SEED_MAX:
+        raise _fail(f"training.seed={seed} is out of range; valid: 0..{SEED_MAX} (2**32-1)")
 
 
 def _validate_logging(recipe: Recipe) -> None:

@@ -204,7 +204,7 @@ CASES = [
     Case("override-bad-enum", ("pp_engine='zigzag'", "1f1b"), overrides=("parallelism.pp_engine=zigzag",)),
     Case("override-bad-type", ("training.steps='many'", "expected int"), overrides=("training.steps=many",)),
     Case("override-not-yaml", ("parallelism.dp=[1", "YAML"), overrides=("parallelism.dp=[1",)),
-    Case("override-empty-value", ("training.steps", "null"), overrides=("training.steps=",)),
+    Case("override-empty-value", ("training.steps=''", "empty string", "expected int"), overrides=("training.steps=",)),
     Case("override-breaks-check", ("parallelism.tp=3", "num_attention_heads=4"), overrides=("parallelism.tp=3",)),
     # -- the other commands
     Case(
@@ -438,9 +438,14 @@ def test_parse_override():
         parse_override("parallelism.tp")
 
 
-def test_later_override_wins():
-    r = load_recipe(str(RECIPES["debug"]), ["training.steps=5", "training.steps=7"])
+def test_override_replaces_the_file_value():
+    r = load_recipe(str(RECIPES["debug"]), ["training.steps=7"])
     assert r.training.steps == 7
+
+
+def test_empty_override_unsets_an_optional_key():
+    r = load_recipe(str(RECIPES["debug"]), ["data.path=", "checkpoint.dir="])
+    assert r.data.path is None and r.checkpoint.dir is None
 
 
 @pytest.mark.parametrize(
