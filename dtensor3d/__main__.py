@@ -111,9 +111,13 @@ def main(argv: list[str] | None = None) -> int:
             files = export_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_mb * 1e6)
             print(f"wrote {args.out}: config.json, {', '.join(files)}")
         elif args.command == "convert-nanotron":
-            from .nanotron import convert_file
+            from .nanotron import recipe_yaml, warning_line
+            from .recipe import load_nanotron
 
-            print(convert_file(args.recipe, args.overrides), end="")
+            recipe, conv = load_nanotron(args.recipe, args.overrides)
+            if line := warning_line(conv):
+                print(line, file=sys.stderr, flush=True)
+            print(recipe_yaml(conv, recipe.to_dict(), args.recipe), end="")
         elif args.command == "import-hf":
             from .checkpoint import import_hf
 

@@ -10,7 +10,6 @@ honour: one `error:` line names them all). Like recipe.py, this module never imp
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import os
@@ -21,7 +20,6 @@ from typing import Any
 import yaml
 
 from .errors import RecipeError
-from .recipe import _SECTION_CLASSES, ALIASES, Recipe, parse_override, recipe_from_dict
 
 # Top-level sections only a nanotron config has (a recipe has `checkpoint`, nanotron `checkpoints`).
 NANOTRON_SECTIONS = ("general", "tokens", "checkpoints", "data_stages", "tokenizer", "profiler", "lighteval")
@@ -473,30 +471,40 @@ REVERSE = {field: path for path, (field, _) in DIRECT.items()} | {
 }
 
 
+RECIPE_SECTIONS = ("model", "parallelism", "training", "optimizer", "data", "checkpoint", "logging")
+
+
 def _recipe_key(parts: list[str]) -> str | None:
-    """'training.steps' -> 'training.steps' when it is a recipe field (or alias), else None."""
-    if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
-        return None
-    section, key = parts
-    names = {f.name for f in dataclasses.fields(_SECTION_CLASSES[section])}
-    key = ALIASES.get((section, key), key)
-    return f"{section}.{key}" if key in names else None
+    """'training.steps' -> 'training.steps': a key in recipe spelling (recipe.py checks it)."""
+    return ".".join(parts) if len(parts) == 2 and parts[0] in RECIPE_SECTIONS else None
+
+
+def _value(text: str, raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise RecipeError(f"override {text!r}: value {raw!r} is not a YAML value") from None
 
 
 def split_overrides(overrides) -> tuple[list[tuple[list[str], Any]], list[str]]:
     """key=value overrides in nanotron spelling (applied to the config) and in recipe spelling
     (applied to the recipe after mapping). A key both have (parallelism.tp) is nanotron's."""
-    nano, recipe = [], []
+    nano, recipe, given = [], [], {}
     for text in overrides:
         path, eq, raw = text.partition("=")
         if not eq:
-            parse_override(text)  # raises its one-line error
+            raise RecipeError(f"override {text!r} has no '='; expected key.path=value, e.g. tokens.train_steps=20")
         parts = path.strip().split(".")
-        value = parse_override(f"x.y={raw}")[1]
+        value = _value(text, raw)
+        if _recipe_key(parts) in REVERSE:  # a recipe field copied from one nanotron key: set that key
+            parts = REVERSE[_recipe_key(parts)].split(".")
         if _schema(parts) in KNOWN:
+            if ".".join(parts) in given:
+                raise RecipeError(
+                    f"override {text!r}: {'.'.join(parts)} is also set by {given['.'.join(parts)]!r}; give it once"
+                )
+            given[".".join(parts)] = text
             nano.append((parts, value))
-        elif _recipe_key(parts) in REVERSE:  # a recipe field copied from one nanotron key: set that key
-            nano.append((REVERSE[_recipe_key(parts)].split("."), value))
         elif _recipe_key(parts):
             recipe.append(text)
         else:
@@ -525,14 +533,17 @@ def _set(raw: dict, parts: list[str], value: Any, text: str) -> None:
 
 @dataclass(frozen=True)
 class Conversion:
-    recipe: Recipe
+    """A nanotron config as a recipe: recipe.py builds it as recipe_from_dict(fields, recipe_overrides)."""
+
+    fields: dict[str, dict[str, Any]]  # recipe section -> key -> value
+    recipe_overrides: tuple[str, ...]  # overrides in recipe spelling, applied after the mapping
     sources: dict[str, str]  # recipe "section.key" -> the nanotron key(s) or override it came from
     ignored: tuple[str, ...]  # nanotron keys with no equivalent and no effect on the maths
     approximated: tuple[str, ...]  # "key=value (what dtensor3d does)"
 
 
 def convert(raw: dict, overrides=()) -> Conversion:
-    """Map a nanotron config (a dict as read from YAML) and overrides onto a Recipe."""
+    """Map a nanotron config (a dict as read from YAML) and overrides onto recipe fields."""
     nano, recipe_over = split_overrides(overrides)
     raw = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy the overrides may change
     for parts, value in nano:
@@ -546,7 +557,6 @@ def convert(raw: dict, overrides=()) -> Conversion:
     for key, (value, _) in fields.items():
         section, name = key.split(".")
         nested.setdefault(section, {})[name] = value
-    recipe = recipe_from_dict(nested, recipe_over)
     sources = {key: why for key, (_, why) in fields.items()}
     overridden = {".".join(parts) for parts, _ in nano}
     sources = {
@@ -556,15 +566,14 @@ def convert(raw: dict, overrides=()) -> Conversion:
     schema = {path: _schema(path.split(".")) for path in flat}
     ignored = tuple(p for p in flat if schema[p] in IGNORED and flat[p] is not None)
     approx = tuple(f"{p}={flat[p]!r} ({APPROXIMATED[schema[p]]})" for p in flat if schema[p] in APPROXIMATED)
-    if recipe.optimizer.weight_decay:
-        approx += (
-            f"optimizer.weight_decay={recipe.optimizer.weight_decay} (matrices only; nanotron decays norm weights too)",
-        )
+    decay = nested.get("optimizer", {}).get("weight_decay")
+    if decay:
+        approx += (f"optimizer.weight_decay={decay} (matrices only; nanotron decays norm weights too)",)
     approx += (
         "optimizer.learning_rate_scheduler (warmup one step ahead: nanotron's first step runs at lr 0, "
         "dtensor3d's at lr/lr_warmup_steps, or lr without warmup; the decay is the same)",
     )
-    return Conversion(recipe, sources, ignored, approx)
+    return Conversion(nested, tuple(recipe_over), sources, ignored, approx)
 
 
 def warning_line(conv: Conversion) -> str | None:
@@ -581,13 +590,13 @@ def _scalar(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def recipe_yaml(conv: Conversion, source: str) -> str:
-    """The recipe as YAML, every field commented with where its value came from."""
+def recipe_yaml(conv: Conversion, recipe_dict: dict, source: str) -> str:
+    """The recipe (as Recipe.to_dict()) as YAML, every field commented with where it came from."""
     lines = [
         f"# dtensor3d recipe converted from the nanotron config {source}",
         "# (python -m dtensor3d convert-nanotron)",
     ]
-    for section, values in conv.recipe.to_dict().items():
+    for section, values in recipe_dict.items():
         lines.append(f"{section}:")
         for key, value in values.items():
             why = conv.sources.get(f"{section}.{key}", "dtensor3d's default (no nanotron key)")
@@ -595,28 +604,8 @@ def recipe_yaml(conv: Conversion, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_nanotron(raw: dict, overrides=()) -> Recipe:
-    """convert() and print its warning line once per job (rank 0, or outside torchrun)."""
-    conv = convert(raw, overrides)
+def warn(conv: Conversion) -> None:
+    """Print the warning line once per job (rank 0, or outside torchrun)."""
     line = warning_line(conv)
     if line and os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
-    return conv.recipe
-
-
-def convert_file(path: str, overrides=()) -> str:
-    """`convert-nanotron`: the recipe YAML of a nanotron config file (the warning on stderr)."""
-    from .recipe import _read_yaml, validate
-
-    raw = _read_yaml(path)
-    if not is_nanotron(raw):
-        raise RecipeError(
-            f"{path} is not a nanotron config (none of the sections {', '.join(NANOTRON_SECTIONS)}, "
-            "no model.model_config); it is a recipe already"
-        )
-    conv = convert(raw, overrides)
-    validate(conv.recipe)
-    line = warning_line(conv)
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    return recipe_yaml(conv, path)

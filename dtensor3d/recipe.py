@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from . import nanotron
 from .errors import RecipeError
 
 
@@ -486,11 +487,31 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_si
     """Read, override and validate a recipe (or a nanotron config, mapped by nanotron.py).
     Raises RecipeError with one line."""
     raw = _read_yaml(path)
-    from .nanotron import is_nanotron, load_nanotron  # nanotron.py imports this module
-
-    recipe = load_nanotron(raw, overrides) if is_nanotron(raw) else recipe_from_dict(raw, overrides, strict=True)
+    if nanotron.is_nanotron(raw):
+        recipe, conv = _from_nanotron(raw, overrides)
+        nanotron.warn(conv)
+    else:
+        recipe = recipe_from_dict(raw, overrides, strict=True)
     validate(recipe, world_size)
     return recipe
+
+
+def _from_nanotron(raw: dict[str, Any], overrides) -> tuple[Recipe, nanotron.Conversion]:
+    conv = nanotron.convert(raw, overrides)
+    return recipe_from_dict(conv.fields, conv.recipe_overrides, strict=True), conv
+
+
+def load_nanotron(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Recipe, nanotron.Conversion]:
+    """`convert-nanotron`: a nanotron config file -> its validated recipe and how each field mapped."""
+    raw = _read_yaml(path)
+    if not nanotron.is_nanotron(raw):
+        raise _fail(
+            f"{path} is not a nanotron config (no {', '.join(nanotron.NANOTRON_SECTIONS)} section, "
+            "no model.model_config); it is a recipe already"
+        )
+    recipe, conv = _from_nanotron(raw, overrides)
+    validate(recipe)
+    return recipe, conv
 
 
 def _divisors(n: int) -> str:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import torchrun
 
-from dtensor3d.nanotron import convert
+from dtensor3d import nanotron
 from dtensor3d.recipe import RecipeError, load_recipe, recipe_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +97,18 @@ def raw_config() -> dict:
         return yaml.safe_load(f)
 
 
+def shrink(*extra: str) -> list[str]:
+    """SHRINK with `extra` replacing or adding keys (a key is given once on a command line)."""
+    given = dict(text.split("=", 1) for text in SHRINK) | dict(text.split("=", 1) for text in extra)
+    return [f"{k}={v}" for k, v in given.items()]
+
+
+def convert(raw: dict, overrides: list[str]):
+    """(Recipe, Conversion) of a nanotron config, as load_recipe builds it."""
+    conv = nanotron.convert(raw, overrides)
+    return recipe_from_dict(conv.fields, conv.recipe_overrides, strict=True), conv
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -105,8 +117,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_every_field_maps_onto_the_native_recipe():
-    conv = convert(raw_config(), SHRINK)
-    assert conv.recipe == recipe_from_dict(NATIVE)
+    recipe, conv = convert(raw_config(), SHRINK)
+    assert recipe == recipe_from_dict(NATIVE)
     assert conv.sources["training.global_batch_size"].startswith("tokens.micro_batch_size * batch_accumulation")
     assert "padded to a multiple of make_vocab_size_divisible_by*tp = 8" in conv.sources["model.vocab_size"]
     assert conv.sources["training.steps"] == "tokens.train_steps (override)"
@@ -117,27 +129,31 @@ def test_every_field_maps_onto_the_native_recipe():
 def test_profiler_schedule_maps_onto_profile_steps():
     prof = ["profiler.profiler_export_path=./tb_logs", "profiler.skip_first=1", "profiler.active=2"]
     # 0-based: step 0 skipped, 1 wait, 2 warmup, 3 and 4 recorded: 1-based steps 4 and 5.
-    conv = convert(raw_config(), SHRINK + prof + ["tokens.train_steps=6", f"{LR}.lr_decay_steps=5"])
-    assert conv.recipe.logging.profile_steps == (4, 5)
-    assert convert(raw_config(), SHRINK).recipe.logging.profile_steps is None  # profiler: null
+    recipe, _ = convert(raw_config(), shrink(*prof, "tokens.train_steps=6", f"{LR}.lr_decay_steps=5"))
+    assert recipe.logging.profile_steps == (4, 5)
+    assert convert(raw_config(), SHRINK)[0].logging.profile_steps is None  # profiler: null
     with pytest.raises(RecipeError, match=r"profiler=.* profiles steps 4\.\.5, past tokens.train_steps=4"):
-        convert(raw_config(), SHRINK + prof)
+        convert(raw_config(), shrink(*prof))
 
 
 def test_overrides_in_either_spelling():
-    nano = convert(
-        raw_config(), SHRINK + [f"{LR}.learning_rate=0.002", "tokens.train_steps=6", f"{LR}.lr_decay_steps=5"]
+    nano, _ = convert(
+        raw_config(), shrink(f"{LR}.learning_rate=0.002", "tokens.train_steps=6", f"{LR}.lr_decay_steps=5")
     )
-    native = convert(raw_config(), SHRINK + ["optimizer.lr=0.002", "training.steps=6", f"{LR}.lr_decay_steps=5"])
-    assert nano.recipe == native.recipe
-    assert nano.recipe.optimizer.lr == 0.002 and nano.recipe.training.steps == 6
-    assert native.sources["optimizer.lr"] == "optimizer.learning_rate_scheduler.learning_rate (override)"
+    base = [text for text in shrink(f"{LR}.lr_decay_steps=5") if not text.startswith("tokens.train_steps=")]
+    native, conv = convert(raw_config(), base + ["optimizer.lr=0.002", "training.steps=6"])
+    assert nano == native and native.optimizer.lr == 0.002 and native.training.steps == 6
+    assert conv.sources["optimizer.lr"] == "optimizer.learning_rate_scheduler.learning_rate (override)"
     assert (
-        convert(raw_config(), SHRINK + ["logging.run_dir=r"]).sources["logging.run_dir"] == "override logging.run_dir=r"
+        convert(raw_config(), shrink("logging.run_dir=r"))[1].sources["logging.run_dir"] == "override logging.run_dir=r"
     )
-    # tp in nanotron's spelling re-pads the vocabulary (250 -> multiple of 8 * 2) as nanotron would.
-    tp2 = convert(raw_config(), SHRINK + ["parallelism.tp=2", "model.make_vocab_size_divisible_by=100"])
-    assert tp2.recipe.model.vocab_size == 400 and tp2.recipe.parallelism.tp == 2
+    # tp in nanotron's spelling re-pads the vocabulary (250 -> a multiple of 100 * 2) as nanotron would.
+    tp2, _ = convert(raw_config(), shrink("parallelism.tp=2", "model.make_vocab_size_divisible_by=100"))
+    assert tp2.model.vocab_size == 400 and tp2.parallelism.tp == 2
+    # One key, two spellings or twice: refused, as in a file.
+    for twice in (["training.steps=6", "tokens.train_steps=6"], ["tokens.train_steps=5", "tokens.train_steps=6"]):
+        with pytest.raises(RecipeError, match="tokens.train_steps is also set by"):
+            convert(raw_config(), shrink(*twice[:1]) + twice[1:])
 
 
 @pytest.mark.parametrize(
@@ -156,7 +172,7 @@ def test_overrides_in_either_spelling():
     ],
 )
 def test_refused_with_one_error_line(overrides, expect):
-    proc = cli("validate", CONFIG, *SHRINK, *overrides)
+    proc = cli("validate", CONFIG, *shrink(*overrides))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -182,8 +198,8 @@ def test_data_override_in_recipe_spelling_replaces_the_stage(tmp_path):
     tokens = tmp_path / "ids.bin"
     tokens.write_bytes(bytes(4000))
     hf = "data_stages.0.data.dataset={hf_dataset_or_datasets: stas/openwebtext-10k}"
-    conv = convert(raw_config(), SHRINK + [hf, "data.kind=tokens", f"data.path={tokens}"])
-    assert conv.recipe.data.kind == "tokens" and conv.recipe.data.path == str(tokens)
+    recipe, _ = convert(raw_config(), shrink(hf, "data.kind=tokens", f"data.path={tokens}"))
+    assert recipe.data.kind == "tokens" and recipe.data.path == str(tokens)
 
 
 def test_convert_prints_a_commented_recipe_that_loads_as_the_same(tmp_path):
@@ -232,7 +248,7 @@ def test_trains_like_the_native_recipe_on_tp2(tmp_path):
     native.write_text(yaml.safe_dump(NATIVE))
     mesh = ["parallelism.tp=2", "training.device=cpu", "checkpoint.resume=none", f"checkpoint.dir={tmp_path / 'ck'}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    launch = ["bash", "launch.sh", CONFIG, *SHRINK, *mesh, f"logging.run_dir={tmp_path / 'a'}"]
+    launch = ["bash", "launch.sh", CONFIG, *shrink(*mesh), f"logging.run_dir={tmp_path / 'a'}"]
     proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     torchrun(2, ["-m", "dtensor3d", "train", str(native), *mesh, f"logging.run_dir={tmp_path / 'b'}"])
