@@ -21,8 +21,10 @@ def rank_grid(dims: dict[str, int]) -> np.ndarray:
     return np.arange(math.prod(dims[a] for a in AXES)).reshape([dims[a] for a in AXES])
 
 
-def rank_groups(dims: dict[str, int]) -> dict[str, list[list[int]]]:
-    """Rank lists of every group (each axis and each flattened view), without a process group."""
+def rank_groups(dims: dict[str, int], dp_shard: int | None = None) -> dict[str, list[list[int]]]:
+    """Rank lists of every group (each axis and each flattened view), without a process group.
+    With `dp_shard` (dp_mode: hybrid) also the HSDP groups: `dp_shard` (consecutive dp ranks
+    that shard the parameters) and `dp_replicate` (the ranks holding the same shard)."""
     grid = rank_grid(dims)
     groups = {}
     for name, axes in [(a, (a,)) for a in AXES] + list(FLAT_VIEWS.items()):
@@ -30,6 +32,11 @@ def rank_groups(dims: dict[str, int]) -> dict[str, list[list[int]]]:
         rest = [i for i in range(len(AXES)) if i not in keep]
         size = math.prod(dims[a] for a in axes)
         groups[name] = np.transpose(grid, rest + keep).reshape(-1, size).tolist()
+    if dp_shard:
+        ep, pp, dp, cp, tp = (dims[a] for a in AXES)
+        split = grid.reshape(ep, pp, dp // dp_shard, dp_shard, cp, tp)
+        groups["dp_replicate"] = np.moveaxis(split, 2, -1).reshape(-1, dp // dp_shard).tolist()
+        groups["dp_shard"] = np.moveaxis(split, 3, -1).reshape(-1, dp_shard).tolist()
     return groups
 
 
@@ -39,27 +46,55 @@ def rank_coords(dims: dict[str, int]) -> list[dict[str, int]]:
     return [dict(zip(AXES, map(int, np.argwhere(grid == r)[0]))) for r in range(grid.size)]
 
 
-def build_mesh(parallelism, device_type: str):
-    """A DeviceMesh named ("ep", "pp", "dp", "cp", "tp") plus the flattened views in FLAT_VIEWS.
+# Under dp_mode hybrid (HSDP) the dp axis is built as two, dp_replicate x dp_shard (in that
+# order, so a rank's dp coordinate is r * dp_shard + s, as in nanotron's matrix), and the
+# views are made of those.
+HYBRID_AXES = ("ep", "pp", "dp_replicate", "dp_shard", "cp", "tp")
+HYBRID_VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "ep_dp_cp": ("ep", "dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "ep_dp_shard_cp": ("ep", "dp_shard", "cp"),
+}
 
-    `parallelism` is a ParallelismConfig (anything with a `dims` dict). The default process
-    group must exist (torchrun + init_process_group)."""
+
+def _views(mesh) -> dict[str, tuple[str, ...]]:
+    return HYBRID_VIEWS if "dp_replicate" in (mesh.mesh_dim_names or ()) else FLAT_VIEWS
+
+
+def build_mesh(parallelism, device_type: str):
+    """A DeviceMesh named ("ep", "pp", "dp", "cp", "tp") plus the flattened views in FLAT_VIEWS
+    (under dp_mode hybrid: HYBRID_AXES and HYBRID_VIEWS; `mesh_axis` reaches every name).
+
+    `parallelism` is a ParallelismConfig. The default process group must exist (torchrun +
+    init_process_group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = parallelism.dims
-    mesh = init_device_mesh(device_type, tuple(dims[a] for a in AXES), mesh_dim_names=AXES)
-    for name, axes in FLAT_VIEWS.items():
+    dims = dict(parallelism.dims)
+    names, views = AXES, FLAT_VIEWS
+    if parallelism.hsdp_enabled:
+        dims.update(dp_replicate=parallelism.dp_replicate, dp_shard=parallelism.dp_shard)
+        names, views = HYBRID_AXES, HYBRID_VIEWS
+    mesh = init_device_mesh(device_type, tuple(dims[a] for a in names), mesh_dim_names=names)
+    for name, axes in views.items():
         mesh[axes]._flatten(name)
     return mesh
 
 
 def mesh_axis(mesh, name: str):
-    """One axis of a mesh from `build_mesh`, or one of its flattened views (FLAT_VIEWS).
-    Flattening again returns the view made by build_mesh; slicing a flattened view out of
-    the root mesh is deprecated in torch."""
-    if name in FLAT_VIEWS:
-        return mesh[FLAT_VIEWS[name]]._flatten(name)
+    """One axis of a mesh from `build_mesh`, or one of its flattened views. Flattening again
+    returns the view made by build_mesh; slicing a flattened view out of the root mesh is
+    deprecated in torch."""
+    views = _views(mesh)
+    if name in views:
+        return mesh[views[name]]._flatten(name)
     return mesh[name]
+
+
+def mesh_coords(mesh) -> dict[str, int]:
+    """This rank's coordinate on each of AXES (dp included under hybrid)."""
+    return {a: mesh_axis(mesh, a).get_local_rank() for a in AXES}
 
 
 def _free_port() -> int:

@@ -58,6 +58,7 @@ class ParallelismConfig:
     tp_linear_async_communication: bool = False
     recompute_layer: bool = False
     dp_mode: str = "shard"
+    dp_shard: int = 0  # dp_mode hybrid: dp ranks per FSDP group (replicated over dp / dp_shard); 0: unset
 
     @property
     def dims(self) -> dict[str, int]:
@@ -101,8 +102,19 @@ class ParallelismConfig:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """FSDP2 shards parameters over ep x dp x cp (dense) and dp x cp (experts)."""
-        return self.dp_mode == "shard" and self.ep * self.dp_cp > 1
+        """FSDP2 shards parameters over ep x dp x cp (dense) and dp x cp (experts); under
+        dp_mode hybrid over ep x dp_shard x cp and dp_shard x cp, replicated over dp_replicate."""
+        return self.dp_mode in ("shard", "hybrid") and self.ep * self.dp_cp > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        """dp_mode hybrid: FSDP within groups of dp_shard dp ranks, replicated across them."""
+        return self.dp_mode == "hybrid"
+
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP's replica count: dp / dp_shard (1 unless dp_mode is hybrid)."""
+        return self.dp // self.dp_shard if self.hsdp_enabled and self.dp_shard else 1
 
     @property
     def replicate_enabled(self) -> bool:
@@ -238,7 +250,7 @@ ALIASES = {
 ENUMS = {
     ("parallelism", "pp_engine"): ("1f1b", "afab"),
     ("parallelism", "tp_mode"): ("ALL_REDUCE", "REDUCE_SCATTER"),
-    ("parallelism", "dp_mode"): ("shard", "replicate"),
+    ("parallelism", "dp_mode"): ("shard", "replicate", "hybrid"),
     ("training", "dtype"): ("float32", "bfloat16"),
     ("training", "device"): ("auto", "cpu", "cuda"),
     ("optimizer", "decay"): ("cosine", "linear", "constant"),
@@ -676,6 +688,7 @@ def _validate_rest(recipe: Recipe) -> None:
     _validate_seed(recipe.training.seed)
     if recipe.checkpoint.interval < 0:
         raise _fail(f"checkpoint.interval={recipe.checkpoint.interval} must be >= 0 (0: only at the end)")
+    _validate_hybrid(recipe.parallelism)
     if recipe.training.eval_every < 0:
         raise _fail(f"training.eval_every={recipe.training.eval_every} must be >= 0 (0: never evaluate)")
     _validate_faults(recipe)
@@ -713,4 +726,20 @@ def _validate_logging(recipe: Recipe) -> None:
         raise _fail(
             f"logging.profile_steps={list(lg.profile_steps)} must be [first, last] with "
             f"1 <= first <= last <= training.steps={steps}"
+        )
+
+
+def _validate_hybrid(p: ParallelismConfig) -> None:
+    """dp_shard goes with dp_mode hybrid, and divides dp."""
+    if p.dp_mode != "hybrid":
+        if p.dp_shard:
+            raise _fail(
+                f"parallelism.dp_shard={p.dp_shard} applies only with dp_mode: hybrid (dp_mode is {p.dp_mode}); "
+                f"remove it or set dp_mode: hybrid"
+            )
+        return
+    if not p.dp_shard or p.dp % p.dp_shard:
+        raise _fail(
+            f"parallelism.dp_shard={p.dp_shard} with dp_mode hybrid must divide dp={p.dp} "
+            f"(FSDP within groups of dp_shard ranks, replicated across them); valid: {_divisors(p.dp)}"
         )

@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from . import checkpoint
+from . import checkpoint, faults
 from .datasets.sources import make_source
 from .evaluate import eval_due, validation_loss
-from .mesh import build_mesh, init_distributed
+from .mesh import build_mesh, init_distributed, mesh_coords
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
 from .models import materialize
 from .models.layers import init_std
@@ -96,7 +96,7 @@ def setup(recipe: Recipe) -> TrainState:
     device = init_distributed(resolve_device(recipe.training.device))
     torch.manual_seed(recipe.training.seed)
     mesh = build_mesh(recipe.parallelism, device.type)
-    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    coords = mesh_coords(mesh)
     model = materialize(parallelize(recipe, mesh, coords, device), device)
     init_weights(model, recipe.training.seed)
     t, p = recipe.training, recipe.parallelism
@@ -153,13 +153,18 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe])
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
-    clip_(state.params, grad_norm, recipe.optimizer.clip_grad)
     lr = lr_at(state.step, recipe.optimizer, recipe.training.steps)
-    for group in state.optimizer.param_groups:
-        group["lr"] = lr
-    state.optimizer.step()
+    # A NaN/inf loss or norm is the same on every rank (all-reduced): all skip the update.
+    bad = faults.nonfinite(state.model, state.coords["pp"], loss, grad_norm)
+    if bad is None:
+        clip_(state.params, grad_norm, recipe.optimizer.clip_grad)
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
+        state.optimizer.step()
     state.step += 1
     metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
+    if bad is not None:
+        metrics["nonfinite"] = bad  # the loop stops or counts it (faults.SkipCount)
     if recipe.model.num_local_experts:
         metrics.update(expert.stats_metrics(stats[2:]))
     return metrics
@@ -183,8 +188,11 @@ def _banner(state: TrainState) -> str:
 
 
 def train(recipe: Recipe) -> list[dict]:
-    """Train for recipe.training.steps; rank 0 logs. Returns the logged records."""
+    """Train for recipe.training.steps; rank 0 logs. Returns the logged records. Preemption,
+    non-finite steps, hung collectives and checkpoint saves go through faults.Guard."""
+    guard = faults.Guard(recipe)  # signal handlers before setup: a SIGTERM during it counts
     state = setup(recipe)
+    guard.attach(state)
     t = recipe.training
     rank = dist.get_rank()
     log = MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=rank == 0, resume=state.step)
@@ -196,8 +204,10 @@ def train(recipe: Recipe) -> list[dict]:
     try:
         while state.step < t.steps:
             start = time.perf_counter()
-            metrics = train_step(state, rank_batch(state, source, state.step))
+            with guard.step(state):
+                metrics = train_step(state, rank_batch(state, source, state.step))
             elapsed = time.perf_counter() - start
+            guard.check(metrics)
             if eval_due(recipe, state.step):
                 metrics.update(validation_loss(state, make_source(recipe, "validation"), compute_dtype_context(state)))
             if state.step % recipe.logging.every == 0 or state.step == t.steps or "val_loss" in metrics:
@@ -207,9 +217,13 @@ def train(recipe: Recipe) -> list[dict]:
                     tokens_per_sec=tps, ms_per_step=1000 * elapsed, peak_mem_gib=peak_memory_gib(state.device), mfu=mfu
                 )
                 log.log(metrics)
-            if checkpoint.checkpoint_due(recipe, state.step):
-                checkpoint.save(state)
+            if guard.boundary(state):  # interval checkpoints; True: preempted, saved
+                break
+        guard.finish(state)
+    except faults.CollectiveError as e:
+        raise SystemExit(faults.report_collective(e)) from None
     finally:
+        guard.close()
         log.close()
     dist.barrier()
     dist.destroy_process_group()

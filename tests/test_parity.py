@@ -37,6 +37,10 @@ CONFIGS = {
     "cp2_pp2": ["parallelism.cp=2", "parallelism.pp=2"],
     "cp2_recompute": ["parallelism.cp=2", "parallelism.recompute_layer=true"],
     "dp2_cp2_tp2": ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2"],
+    # HSDP (dp_mode hybrid): FSDP within pairs of dp ranks, replicated across the pairs.
+    "dp4_hybrid": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2"],
+    "dp4_hybrid_tp2": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2", "parallelism.tp=2"],
+    "dp4_hybrid_pp2": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2", "parallelism.pp=2"],
     "pp2_dp2_cp2_tp2": [
         "parallelism.pp=2",
         "parallelism.dp=2",

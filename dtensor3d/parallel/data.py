@@ -1,9 +1,9 @@
 """Data parallelism over the flattened dp x cp mesh (and ep x dp x cp for the parameters ep
 replicates): FSDP2 (`dp_mode: shard`) or a gradient all-reduce (`dp_mode: replicate`).
 
-Build time: `apply_fsdp`. Step time: which samples this rank takes (`rank_samples`), when
-FSDP may reduce-scatter (`gradient_sync`), and the all-reduce of `replicate`
-(`sync_replicated_grads`).
+Build time: `apply_fsdp` (FSDP2; HSDP for `dp_mode: hybrid`). Step time: which samples
+this rank takes (`rank_samples`), when FSDP may reduce-scatter (`gradient_sync`), and the
+all-reduce of `replicate` (`sync_replicated_grads`).
 
 The loss of every rank is already normalised by the token count of the whole global batch,
 so gradients are *summed* over the data-parallel ranks, never averaged.
@@ -37,7 +37,7 @@ def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | N
             keeps its parameters gathered between the forward and backward of a microbatch.
         param_dtype: the compute dtype of the gathered parameters (None: the stored dtype).
     """
-    dense_mesh, expert_mesh = mesh_axis(mesh, "ep_dp_cp"), mesh_axis(mesh, "dp_cp")
+    dense_mesh, expert_mesh = fsdp_meshes(mesh, parallelism)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(reshard_after_forward=parallelism.fsdp_reshard_after_forward, mp_policy=mp)
     for block in model.model.layers.values():
@@ -51,6 +51,16 @@ def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | N
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def fsdp_meshes(mesh, parallelism):
+    """(dense, experts) meshes for fully_shard: 1-D (shard) for dp_mode shard; 2-D
+    (dp_replicate, shard) for hybrid, which FSDP2 treats as HSDP."""
+    if not parallelism.hsdp_enabled:
+        return mesh_axis(mesh, "ep_dp_cp"), mesh_axis(mesh, "dp_cp")
+    for view in ("ep_dp_shard_cp", "dp_shard_cp"):
+        mesh_axis(mesh, view)  # made by build_mesh; slice them below by name
+    return mesh[("dp_replicate", "ep_dp_shard_cp")], mesh[("dp_replicate", "dp_shard_cp")]
 
 
 def gradient_sync(model: nn.Module, parallelism, last_microbatch: bool) -> None:
