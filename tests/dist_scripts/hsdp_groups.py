@@ -1,5 +1,6 @@
-"""Build the dp_mode hybrid mesh for dp 4 = 2 x 2 (x tp 2 when asked) and print, from every
-rank (gathered, printed by rank 0), the world ranks of its dp_replicate, dp_shard, dp and dp_cp groups and its coords."""
+"""Build the dp_mode hybrid mesh for dp 4 = 2 x 2 (x tp 2 when asked) and print, for every
+rank (gathered, printed by rank 0), the world ranks of its dp_replicate, dp_shard, dp,
+dp_cp and tp groups and its coords."""
 
 import json
 import sys
