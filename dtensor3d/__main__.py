@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the mesh layout and groups of a recipe")
     plan.add_argument("--world", type=int, default=None, help="check against this world size")
     plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--gpu", default=None, help="estimate step time on this GPU: A100, H100, H200, B200")
+    plan.add_argument("--peak-tflops", type=float, default=None, help="estimate step time at this peak TFLOP/s")
+    plan.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (0.4)")
     check = sub.add_parser("validate", help="check a recipe; print the processes per node")
     check.add_argument("--nnodes", type=int, default=1)
     for p in (train, plan, check):
@@ -77,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = list(getattr(args, "overrides", [])) + extra
         if args.command == "plan":
-            from .plan import format_plan
+            from .plan import format_plan, peak_tflops
 
             recipe = load_recipe(args.recipe, args.overrides, world_size=args.world)
-            print(format_plan(recipe, args.json))
+            peak = peak_tflops(args.gpu, args.peak_tflops, args.mfu)
+            print(format_plan(recipe, args.json, peak=peak, mfu=args.mfu))
         elif args.command == "validate":
             recipe = load_recipe(args.recipe, args.overrides)
             world = recipe.parallelism.world_size

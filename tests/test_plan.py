@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,7 @@ def test_plan_json_3d():
     p = plan("recipes/3d.yaml", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert set(out) == {"world_size", "dims", "groups"}
+    assert set(out) == {"world_size", "dims", "groups", "estimate"}
     assert out["world_size"] == 16
     assert out["dims"] == {"ep": 1, "pp": 2, "dp": 4, "cp": 1, "tp": 2}
     assert list(out["dims"]) == ["ep", "pp", "dp", "cp", "tp"]  # nanotron's order
@@ -84,3 +86,67 @@ def test_plan_debug_is_one_rank():
     out = json.loads(p.stdout)
     assert out["world_size"] == 1
     assert all(groups == [[0]] for groups in out["groups"].values())
+
+
+STAGE_KEYS = {"stage", "params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes"}
+
+
+def test_plan_json_estimate_shape():
+    p = plan("recipes/3d.yaml", "--json", "--gpu", "h100", "--mfu", "0.5")
+    assert p.returncode == 0, p.stderr
+    est = json.loads(p.stdout)["estimate"]
+    assert [s["stage"] for s in est["stages"]] == [0, 1]
+    for s in est["stages"]:
+        assert STAGE_KEYS <= set(s)
+        assert s["peak_bytes"] > s["param_bytes"] + s["grad_bytes"] + s["optimizer_bytes"] + s["activation_bytes"] - 1
+    assert set(est["comm_bytes_per_step"]) == {"tp", "dp", "pp", "cp", "ep", "world"}
+    for kinds in est["comm_bytes_per_step"].values():
+        assert kinds["total"] == sum(v for k, v in kinds.items() if k != "total")
+    assert est["bubble_fraction"] == 1 / 3  # pp 2, 2 microbatches
+    assert est["peak_tflops"] == 989.0 and est["mfu"] == 0.5
+    assert est["tokens_per_sec"] * est["step_time_s"] == pytest.approx(16 * 64)
+
+
+def test_plan_text_estimate():
+    p = plan("recipes/3d.yaml", "--peak-tflops", "100")
+    assert p.returncode == 0, p.stderr
+    assert "estimate per rank" in p.stdout and "pipeline bubble 33.3%" in p.stdout
+    assert "at 100 TFLOP/s x MFU 0.4 x 16 ranks" in p.stdout
+    assert "not for CPU training" not in p.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--gpu", "V100"], ["V100", "H100"]),
+        (["--mfu", "0"], ["--mfu", "(0, 1]"]),
+        (["--mfu", "1.5"], ["--mfu"]),
+        (["--peak-tflops", "-3"], ["--peak-tflops"]),
+        (["--gpu", "H100", "--peak-tflops", "5"], ["one of"]),
+        (["--mfu", "x"], ["--mfu"]),
+    ],
+)
+def test_plan_bad_flags(flags, words):
+    p = plan("recipes/3d.yaml", *flags)
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and all(w in lines[0] for w in words), p.stderr
+
+
+# Llama-3-70B has 70,553,706,496 parameters. Under sequence parallelism its 161 norm
+# weights (8,192 each) are whole on every tp rank; everything else is split over tp x dp.
+LLAMA3_70B = 70_553_706_496
+
+
+def test_planning_recipes():
+    p = plan("recipes/llama3_70b_plan.yaml", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["world_size"] == 1024 and out["dims"] == {"ep": 1, "pp": 8, "dp": 16, "cp": 1, "tp": 8}
+    held = sum(s["params"] for s in out["estimate"]["stages"]) * 8 * 16
+    assert held == LLAMA3_70B + 7 * 161 * 8192
+    p = plan("recipes/llama3_405b_plan.yaml", "--gpu", "H200")
+    assert p.returncode == 0, p.stderr
+    assert "world size 1024: ep=1 pp=16 dp=4 cp=2 tp=8" in p.stdout
+    assert "not for CPU training" in p.stdout and "tokens/s at 989 TFLOP/s" in p.stdout
+    assert len(p.stdout.splitlines()) < 60  # 1,024 ranks: the table is elided

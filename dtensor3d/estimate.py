@@ -1,0 +1,480 @@
+"""What one training step costs each rank, from the recipe alone (no process group, no
+hardware): parameters, gradients, optimizer state, activations and peak memory per
+pipeline stage; FLOPs; bytes handed to each collective per mesh dim; the pipeline bubble.
+
+Parameters are counted exactly: the model is built on the meta device and each parameter
+is cut the way the code cuts it -- tp by the plan in parallel/tensor.py (Colwise: a Linear's
+dim 0, an Embedding's dim 1; Rowwise: the other), experts on dim 0 over ep, then FSDP2's
+dim-0 chunk over its group (rank 0 holds ceil(d0 / n) rows, the largest chunk). Storage is
+the model's dtype (fp32; bf16 runs use autocast), so are gradients; AdamW keeps two moments
+per element and one fp32 `step` scalar per parameter tensor.
+
+Communication (`comm_bytes`) counts what each rank *hands* to collectives in one
+steady-state step, as our code issues them: an all-gather counts the rank's input piece, a
+reduce-scatter its whole input, an all-reduce the tensor, an all-to-all what it sends,
+send/recv what it sends. Shape: {dim: {kind: bytes, ..., "total": bytes}} with dims tp, dp
+(FSDP / replicate over the flattened ep x dp x cp and dp x cp groups), pp, cp, ep and world
+(the step's one stats all-reduce), kinds as in KINDS. Expert all-to-all sizes depend on the
+routing; the count is the expected value under uniform routing (the dispatch forward and
+the return's backward are exact; the return forward and the dispatch backward are expected).
+tests/dist_scripts/comm_bytes.py measures the same quantity by intercepting collectives.
+
+Activation memory is a model, not an exact count: the tensors autograd keeps per decoder
+layer (norm inputs and outputs in fp32, linear inputs, attention q/k/v/output/log-sum-exp,
+the SwiGLU intermediates) and the last stage's log-probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .parallel.pipeline import stage_layers
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+COMM_DIMS = ("tp", "dp", "pp", "cp", "ep", "world")
+FP32 = 4
+
+
+# -- parameters -------------------------------------------------------------------------
+
+
+def _tp_dim(plan: dict, module_path: str, is_embedding: bool) -> int | None:
+    """The dim tp splits a module's weight on, read from the plan's style (None: replicated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    style = plan.get(module_path)
+    if isinstance(style, ColwiseParallel):
+        return 1 if is_embedding else 0
+    if isinstance(style, RowwiseParallel):
+        return 0 if is_embedding else 1
+    return None
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") else None
+
+
+def _unit_of(name: str) -> str:
+    """The FSDP unit a parameter belongs to: a layer's experts, a layer, or the root."""
+    layer = _layer_of(name)
+    if layer is None:
+        return "root"
+    return f"layer {layer} experts" if ".experts." in name else f"layer {layer}"
+
+
+def _local_shape(recipe, model, name: str, shape: list[int]) -> list[int]:
+    """The shape of this parameter's tp / ep piece (before FSDP)."""
+    from .parallel.tensor import tp_plan
+
+    p = recipe.parallelism
+    shape = list(shape)
+    module_path = name.rsplit(".", 1)[0]
+    if p.tp_enabled and name.endswith("weight"):
+        layer = _layer_of(name)
+        if layer is None:
+            plan, path = tp_plan(p.sequence_parallel)[0], module_path
+        else:
+            block = model.model.layers[str(layer)]
+            plan = tp_plan(p.sequence_parallel, hasattr(block, "block_sparse_moe"))[1]
+            path = module_path.split(".", 3)[3]
+        dim = _tp_dim(plan, path, module_path.endswith("embed_tokens"))
+        if dim is not None:
+            shape[dim] //= p.tp
+    if p.ep_enabled and ".experts." in name:
+        shape[0] //= p.ep
+    return shape
+
+
+def stage_units(recipe) -> list[dict[str, dict]]:
+    """Per pipeline stage: {unit: {"group": FSDP group size, "shapes": [tp/ep-local shapes]}}.
+    Units are FSDP's: the root (embedding, final norm, head), each layer, each layer's experts."""
+    from .models import build_on_meta
+
+    p, m = recipe.parallelism, recipe.model
+    model = build_on_meta(m)
+    layers = stage_layers(m.num_hidden_layers, p.pp, p.pp_layers)
+    stages: list[dict[str, dict]] = [{} for _ in range(p.pp)]
+    for name, param in model.named_parameters():
+        layer = _layer_of(name)
+        if layer is not None:
+            stage = next(i for i, r in enumerate(layers) if layer in r)
+        else:
+            stage = 0 if name.startswith("model.embed_tokens") else p.pp - 1
+        unit = _unit_of(name)
+        shard = (p.dp_shard if p.hsdp_enabled else p.dp) * p.cp  # hybrid: FSDP within dp_shard
+        group = shard if unit.endswith("experts") else p.ep * shard
+        entry = stages[stage].setdefault(unit, {"group": group, "shapes": []})
+        entry["shapes"].append(_local_shape(recipe, model, name, list(param.shape)))
+    return stages
+
+
+def shard_numel(shape: list[int], group: int) -> int:
+    """Elements of FSDP2's dim-0 chunk on rank 0 (the largest; every rank's padded size)."""
+    rows = -(-shape[0] // group) if shape else 1
+    return rows * math.prod(shape[1:])
+
+
+def unit_numels(recipe, units: dict[str, dict]) -> dict[str, tuple[int, int]]:
+    """unit -> (elements rank 0 holds, elements FSDP gathers: padded, whole unit)."""
+    fsdp = recipe.parallelism.fsdp_enabled
+    out = {}
+    for unit, u in units.items():
+        n = u["group"] if fsdp else 1
+        held = sum(shard_numel(s, n) for s in u["shapes"])
+        out[unit] = (held, held * n)
+    return out
+
+
+# -- sizes every formula below uses ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Per-rank sizes of one microbatch on one rank."""
+
+    tokens: int  # tokens of a microbatch on this rank: micro_batch_size * sequence_length / cp
+    seq_tokens: int  # tokens of the residual stream (tokens / tp under sequence parallelism)
+    kv_tokens: int  # tokens whose keys and values attention keeps (the whole sequence under cp)
+    hidden: int
+    q_width: int  # local query (and attention output) width: heads / tp * head_dim
+    kv_width: int  # local key / value width
+    inter: int  # local feed-forward width
+    vocab: int  # local vocabulary (the head's logits)
+    heads: int  # local query heads
+    compute: int  # bytes of a matmul output: 2 under bf16 autocast, 4 in fp32
+
+
+def sizes(recipe) -> Sizes:
+    m, p, t = recipe.model, recipe.parallelism, recipe.training
+    tokens = t.micro_batch_size * t.sequence_length // p.cp
+    return Sizes(
+        tokens=tokens,
+        seq_tokens=tokens // p.tp if p.sequence_parallel else tokens,
+        kv_tokens=t.micro_batch_size * t.sequence_length,
+        hidden=m.hidden_size,
+        q_width=m.num_attention_heads // p.tp * m.head_dim,
+        kv_width=m.num_key_value_heads // p.tp * m.head_dim,
+        inter=m.intermediate_size // p.tp,
+        vocab=m.vocab_size // p.tp,
+        heads=m.num_attention_heads // p.tp,
+        compute=2 if t.dtype == "bfloat16" else FP32,
+    )
+
+
+def _moe_layers(recipe, layers: range) -> int:
+    m = recipe.model
+    if not m.num_local_experts:
+        return 0
+    return sum(1 for i in layers if m.moe_layers is None or i in m.moe_layers)
+
+
+# -- activations -------------------------------------------------------------------------
+
+
+def _linear_inputs(z: Sizes, n_linears: int) -> int:
+    """What n linears reading one fp32 tensor keep: the tensor itself in fp32, or one bf16
+    copy each under autocast."""
+    return z.tokens * z.hidden * (FP32 if z.compute == FP32 else n_linears * z.compute)
+
+
+def layer_activation_bytes(recipe, moe: bool) -> int:
+    """Bytes autograd keeps for one decoder layer and one microbatch (no recompute)."""
+    z, m = sizes(recipe), recipe.model
+    norms = 2 * 2 * z.seq_tokens * z.hidden * FP32  # two RMSNorms: input and normalised output
+    kv_tokens = z.kv_tokens if recipe.parallelism.cp_enabled else z.tokens
+    attention = (
+        _linear_inputs(z, 3)
+        + 2 * z.tokens * z.q_width * z.compute  # rotated q, attention output (o_proj's input)
+        + 2 * kv_tokens * z.kv_width * z.compute  # rotated (gathered) k and v
+        + z.heads * z.tokens * FP32  # log-sum-exp
+    )
+    if not moe:
+        return norms + attention + _linear_inputs(z, 2) + 4 * z.tokens * z.inter * z.compute
+    routed = z.tokens * m.num_experts_per_tok
+    inter = m.intermediate_size  # experts are not split over tp
+    experts = (
+        z.tokens * z.hidden * FP32  # router input
+        + z.tokens * m.num_local_experts * FP32  # router probabilities
+        + routed * z.hidden * (FP32 + z.compute)  # routed tokens, expert outputs
+        + 4 * routed * inter * z.compute  # SwiGLU intermediates
+    )
+    shared = 4 * z.tokens * m.shared_expert_intermediate_size * z.compute
+    return norms + attention + experts + shared
+
+
+def stage_activation_bytes(recipe, stage: int, layers: range) -> tuple[int, int]:
+    """(bytes kept per microbatch, bytes alive once per step: recomputation's one layer)."""
+    p, z = recipe.parallelism, sizes(recipe)
+    n_moe = _moe_layers(recipe, layers)
+    full = [layer_activation_bytes(recipe, True)] * n_moe + [layer_activation_bytes(recipe, False)] * (
+        len(layers) - n_moe
+    )
+    if p.recompute == "full":
+        kept, once = len(layers) * z.seq_tokens * z.hidden * FP32, max(full, default=0)
+    else:
+        kept, once = sum(full), 0
+    if stage == 0:
+        kept += z.tokens * 8  # the embedding keeps its int64 indices
+    if stage == p.pp - 1:  # final norm, the head's input, log-probabilities and their gradient
+        kept += 2 * z.seq_tokens * z.hidden * FP32 + _linear_inputs(z, 1) + 2 * z.tokens * z.vocab * FP32
+    return kept, once
+
+
+def in_flight(recipe, stage: int) -> int:
+    """Microbatches whose activations a stage holds at once: 1f1b min(m, pp - stage), afab m."""
+    p, m = recipe.parallelism, recipe.num_microbatches
+    if not p.pp_enabled:
+        return 1
+    return min(m, p.pp - stage) if p.pp_engine == "1f1b" else m
+
+
+def bubble_fraction(recipe) -> float:
+    """Idle share of a pipeline step: (p - 1) / (m + p - 1) for 1f1b and afab."""
+    p, m = recipe.parallelism.pp, recipe.num_microbatches
+    return (p - 1) / (m + p - 1)
+
+
+# -- communication -----------------------------------------------------------------------
+
+
+def _kinds(**bytes_by_kind: int) -> dict[str, int]:
+    out = {k: int(bytes_by_kind.get(k, 0)) for k in KINDS}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
+    """(forward, backward) tp bytes of one decoder layer and one microbatch."""
+    p, z = recipe.parallelism, sizes(recipe)
+    full_c, full_f = z.tokens * z.hidden * z.compute, z.tokens * z.hidden * FP32
+    part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * FP32
+    blocks = 1 if moe else 2  # attention, and the dense feed-forward (experts are replicated over tp)
+    if not p.sequence_parallel:
+        # Rowwise outputs are all-reduced forward; each colwise input's gradient backward.
+        return {"all_reduce": blocks * full_c}, {"all_reduce": (3 + 2 * (not moe)) * full_f}
+    fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
+    bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
+    if moe:  # the MoE gathers its input; backward gathers its (fp32) output's gradient
+        fwd["all_gather"] += part_f
+        bwd["all_gather"] += part_f
+    return fwd, bwd
+
+
+def _add(total: dict, part: dict, times: int = 1) -> None:
+    for kind, n in part.items():
+        total[kind] = total.get(kind, 0) + n * times
+
+
+def tp_bytes(recipe, stage: int, layers: range) -> dict[str, int]:
+    """Per step: DTensor collectives of the tp plan (parallel/tensor.py), per microbatch:
+    each layer's (and, with recompute, its forward's again), the embedding's, the head's
+    and loss_parallel's three all-reduces over the tokens (max, sum of exp, target logit);
+    per step under sequence parallelism, the all-reduce of the norm weights' gradients
+    (`match_grad_placements`)."""
+    p, z = recipe.parallelism, sizes(recipe)
+    if not p.tp_enabled:
+        return _kinds()
+    per_micro: dict[str, int] = {}
+    n_moe = _moe_layers(recipe, layers)
+    for moe, count in ((True, n_moe), (False, len(layers) - n_moe)):
+        fwd, bwd = _tp_layer(recipe, moe)
+        _add(per_micro, fwd, count * (2 if p.recompute == "full" else 1))
+        _add(per_micro, bwd, count)
+    full_f, part_f = z.tokens * z.hidden * FP32, z.seq_tokens * z.hidden * FP32
+    if stage == 0:  # vocab-parallel embedding: its partial output is reduced
+        _add(
+            per_micro,
+            {"reduce_scatter": full_f, "all_gather": part_f} if p.sequence_parallel else {"all_reduce": full_f},
+        )
+    if stage == p.pp - 1:  # column-parallel head; loss_parallel's reductions
+        _add(
+            per_micro,
+            {"all_gather": part_f, "reduce_scatter": full_f} if p.sequence_parallel else {"all_reduce": full_f},
+        )
+        _add(per_micro, {"all_reduce": 3 * z.tokens * FP32})
+    per_step = {k: n * recipe.num_microbatches for k, n in per_micro.items()}
+    if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
+        norms = 2 * len(layers) + (stage == p.pp - 1)
+        _add(per_step, {"all_reduce": norms * z.hidden * FP32})
+    return _kinds(**per_step)
+
+
+def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
+    """Per step. FSDP2: every unit all-gathers its shard for each forward and (resharded
+    after forward) each backward -- twice per microbatch; under pp parameters stay gathered
+    for the whole step: once -- and reduce-scatters its whole gradient once; under
+    dp_mode hybrid within ep x dp_shard x cp, then all-reduces the shard across the
+    dp_replicate replicas. Replicate: one all-reduce of the gradients (dense over
+    ep x dp x cp, experts over dp x cp)."""
+    p = recipe.parallelism
+    numels = unit_numels(recipe, units)
+    if p.fsdp_enabled:
+        gathers = 1 if p.pp_enabled else 2 * recipe.num_microbatches
+        sharded = [numels[name] for name, u in units.items() if u["group"] > 1]
+        replicas = p.dp_replicate if p.hsdp_enabled else 1  # HSDP all-reduces the shards across replicas
+        return _kinds(
+            all_gather=gathers * FP32 * sum(held for held, _ in sharded),
+            reduce_scatter=FP32 * sum(whole for _, whole in sharded),
+            all_reduce=FP32 * sum(held for held, _ in sharded) * (replicas > 1),
+        )
+    if p.replicate_enabled:
+        return _kinds(all_reduce=FP32 * sum(numels[name][0] for name, u in units.items() if u["group"] > 1))
+    return _kinds()
+
+
+def pp_bytes(recipe, stage: int) -> dict[str, int]:
+    """Per step: each microbatch's fp32 residual stream sent to the next stage and its
+    gradient to the previous one."""
+    p, z = recipe.parallelism, sizes(recipe)
+    sends = (stage < p.pp - 1) + (stage > 0)
+    return _kinds(send_recv=sends * recipe.num_microbatches * z.seq_tokens * z.hidden * FP32)
+
+
+def cp_bytes(recipe, layers: range, backend: str) -> dict[str, int]:
+    """Per step: each attention all-gathers its k and v (again under recompute); backward
+    reduce-scatters their gradients (gloo: all-reduces them). MoE layers all-reduce their
+    routing sums (2E + 1 floats) forward and backward."""
+    p, z, m = recipe.parallelism, sizes(recipe), recipe.model
+    if not p.cp_enabled:
+        return _kinds()
+    forwards = 2 if p.recompute == "full" else 1
+    kv = 2 * z.tokens * z.kv_width * z.compute
+    grads = 2 * z.kv_tokens * z.kv_width * z.compute
+    stats = (2 * m.num_local_experts + 1) * FP32 * _moe_layers(recipe, layers) * (forwards + 1)
+    bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"
+    per_micro = {"all_gather": forwards * kv * len(layers), bwd_kind: grads * len(layers)}
+    per_micro["all_reduce"] = per_micro.get("all_reduce", 0) + stats
+    return _kinds(**{k: n * recipe.num_microbatches for k, n in per_micro.items()})
+
+
+def ep_bytes(recipe, layers: range) -> dict[str, int]:
+    """Per step, expected under uniform routing: per MoE layer and forward the int64 token
+    counts (E), the routed tokens out (fp32) and back (compute dtype); backward the same
+    two ways for the gradients."""
+    p, z, m = recipe.parallelism, sizes(recipe), recipe.model
+    if not p.ep_enabled:
+        return _kinds()
+    forwards = 2 if p.recompute == "full" else 1
+    rows = z.tokens * m.num_experts_per_tok * z.hidden
+    fwd = m.num_local_experts * 8 + rows * (FP32 + z.compute)
+    bwd = rows * (z.compute + FP32)
+    return _kinds(all_to_all=(forwards * fwd + bwd) * _moe_layers(recipe, layers) * recipe.num_microbatches)
+
+
+def world_bytes(recipe) -> dict[str, int]:
+    """The step's one world all-reduce: loss, squared grad norm, aux loss, tokens per expert."""
+    return _kinds(all_reduce=(3 + recipe.model.num_local_experts) * FP32)
+
+
+def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, int]]]:
+    """Per pipeline stage: {dim: {kind: bytes, "total": bytes}} each rank of that stage hands
+    to collectives in one steady-state step. backend: "gloo" or "nccl" (default: from
+    training.device; cp's backward differs). This is the count tests compare with
+    tests/dist_scripts/comm_bytes.py."""
+    p, m = recipe.parallelism, recipe.model
+    backend = backend or ("gloo" if recipe.training.device == "cpu" else "nccl")
+    layers = stage_layers(m.num_hidden_layers, p.pp, p.pp_layers)
+    out = []
+    for stage, units in enumerate(stage_units(recipe)):
+        out.append(
+            {
+                "tp": tp_bytes(recipe, stage, layers[stage]),
+                "dp": dp_bytes(recipe, units),
+                "pp": pp_bytes(recipe, stage),
+                "cp": cp_bytes(recipe, layers[stage], backend),
+                "ep": ep_bytes(recipe, layers[stage]),
+                "world": world_bytes(recipe),
+            }
+        )
+    return out
+
+
+# -- memory and the whole estimate -------------------------------------------------------
+
+
+def _fsdp_working_bytes(recipe, numels: dict[str, tuple[int, int]]) -> int:
+    """Gathered parameters and unsharded gradients FSDP holds at the peak (the backward).
+    pp: the whole stage stays gathered for the step, with its unsharded gradients. Otherwise
+    the root (gathered through the whole backward) and two blocks (the current one and the
+    prefetched one); gradients of every unit accumulate unsharded over the microbatches
+    before the last, else only the root's and the current block's."""
+    p = recipe.parallelism
+    if not p.fsdp_enabled:
+        return 0
+    whole = {name: gathered - held for name, (held, gathered) in numels.items()}
+    if p.pp_enabled:
+        return 2 * FP32 * sum(whole.values())
+    root = whole.pop("root", 0)
+    blocks = sorted(whole.values(), reverse=True)
+    grads = sum(blocks) if recipe.num_microbatches > 1 else sum(blocks[:1])
+    return FP32 * (2 * root + sum(blocks[:2]) + grads)
+
+
+def stage_estimate(recipe, stage: int, units: dict[str, dict], layers: range) -> dict:
+    """One stage's row of the estimate (per rank of that stage)."""
+    numels = unit_numels(recipe, units)
+    params = sum(held for held, _ in numels.values())
+    tensors = sum(len(u["shapes"]) for u in units.values())
+    per_micro, once = stage_activation_bytes(recipe, stage, layers)
+    flight = in_flight(recipe, stage)
+    row = {
+        "stage": stage,
+        "layers": [layers.start, layers.stop - 1] if len(layers) else [],
+        "params": params,
+        "param_bytes": params * FP32,
+        "grad_bytes": params * FP32,
+        "optimizer_bytes": 2 * params * FP32 + tensors * FP32,  # exp_avg, exp_avg_sq; a step scalar each
+        "activation_bytes_per_microbatch": per_micro,
+        "microbatches_in_flight": flight,
+        "activation_bytes": per_micro * flight + once,
+    }
+    row["peak_bytes"] = (
+        row["param_bytes"]
+        + row["grad_bytes"]
+        + row["optimizer_bytes"]
+        + row["activation_bytes"]
+        + _fsdp_working_bytes(recipe, numels)
+    )
+    return row
+
+
+def flops_per_step(recipe) -> float:
+    """Model FLOPs of one optimizer step (6N + attention per token; recomputation excluded)."""
+    from .metrics import flops_per_token
+
+    t = recipe.training
+    return flops_per_token(recipe.model, t.sequence_length) * t.global_batch_size * t.sequence_length
+
+
+def _busiest(per_stage: list[dict]) -> dict:
+    """For each dim, the breakdown of the stage whose rank hands it the most bytes."""
+    return {dim: max((s[dim] for s in per_stage), key=lambda k: k["total"]) for dim in COMM_DIMS}
+
+
+def estimate(recipe, peak_tflops: float | None = None, mfu: float = 0.4, backend: str | None = None) -> dict:
+    """The whole estimate (the JSON under `plan --json`'s key "estimate")."""
+    p, m, t = recipe.parallelism, recipe.model, recipe.training
+    layers = stage_layers(m.num_hidden_layers, p.pp, p.pp_layers)
+    comm = comm_bytes(recipe, backend)
+    stages = []
+    for stage, units in enumerate(stage_units(recipe)):
+        row = stage_estimate(recipe, stage, units, layers[stage])
+        row["comm_bytes_per_step"] = comm[stage]
+        stages.append(row)
+    out = {
+        "stages": stages,
+        "flops_per_step": flops_per_step(recipe),
+        "comm_bytes_per_step": _busiest(comm),
+        "bubble_fraction": bubble_fraction(recipe),
+    }
+    if peak_tflops is not None:
+        seconds = out["flops_per_step"] / (p.world_size * peak_tflops * 1e12 * mfu)
+        out.update(
+            peak_tflops=peak_tflops,
+            mfu=mfu,
+            step_time_s=seconds,
+            tokens_per_sec=t.global_batch_size * t.sequence_length / seconds,
+        )
+    return out
