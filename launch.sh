@@ -2,7 +2,8 @@
 # bash launch.sh RECIPE [key.path=value ...]
 # Checks the recipe (exit 2 and one `error:` line if it is wrong, before anything starts),
 # takes the process count from it, and runs torchrun. Multi-node: set NNODES, NODE_RANK,
-# MASTER_ADDR, MASTER_PORT on every node (defaults: one node, localhost, a free port).
+# MASTER_ADDR, MASTER_PORT on every node (defaults: one node, localhost, a free port; with
+# NNODES > 1 MASTER_PORT must be given, or each node would wait on a port of its own).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 if [ $# -lt 1 ]; then
@@ -19,6 +20,14 @@ fi
 case "$NODE_RANK" in ''|*[!0-9]*) NODE_RANK_OK=0;; *) NODE_RANK_OK=$((10#$NODE_RANK < 10#$NNODES));; esac
 if [ "$NODE_RANK_OK" != 1 ]; then
   echo "error: NODE_RANK='$NODE_RANK' must be an integer in 0..$((10#$NNODES - 1)) (NNODES=$NNODES)" >&2; exit 2
+fi
+if [ -n "${MASTER_PORT:-}" ]; then
+  case "$MASTER_PORT" in ''|*[!0-9]*) PORT_OK=0;; *) PORT_OK=$((${#MASTER_PORT} <= 5 && 10#$MASTER_PORT >= 1 && 10#$MASTER_PORT <= 65535));; esac
+  if [ "$PORT_OK" != 1 ]; then
+    echo "error: MASTER_PORT='$MASTER_PORT' must be a port number in 1..65535 (a free port on node 0)" >&2; exit 2
+  fi
+elif [ "$((10#$NNODES))" -gt 1 ]; then  # each node would pick its own port and wait for the others forever
+  echo "error: MASTER_PORT is not set but NNODES=$NNODES; with more than one node set the same MASTER_PORT (a free port on node 0, e.g. 29500) and MASTER_ADDR on every node" >&2; exit 2
 fi
 nproc=$("$PYTHON" -m dtensor3d validate "$@" --nnodes "$NNODES") || exit $?
 if [ -z "${MASTER_PORT:-}" ]; then

@@ -13,6 +13,7 @@ import os
 import sys
 
 from .errors import UserError
+from .preflight import check_machine
 from .recipe import RecipeError, load_recipe, validate
 
 
@@ -70,67 +71,105 @@ def _env_int(name: str) -> int | None:
         raise RecipeError(f"{name}={text!r} is not an integer; torchrun sets it, or unset it") from None
 
 
+def _plan(args) -> None:
+    from .plan import format_plan, peak_tflops
+
+    recipe = load_recipe(args.recipe, args.overrides, world_size=args.world)
+    peak = peak_tflops(args.gpu, args.peak_tflops, args.mfu)
+    print(format_plan(recipe, args.json, peak=peak, mfu=args.mfu))
+
+
+def _validate(args) -> None:
+    """launch.sh's door: the recipe, NNODES, this machine, the checkpoints; prints the processes per node."""
+    recipe = load_recipe(args.recipe, args.overrides)
+    world = recipe.parallelism.world_size
+    if args.nnodes < 1 or world % args.nnodes:
+        raise RecipeError(
+            f"NNODES={args.nnodes}: the world size {world} is not divisible by it; valid: a divisor of {world}"
+        )
+    check_machine(recipe, local_processes=world // args.nnodes)
+    _check_checkpoints(recipe, hashes=True)
+    print(world // args.nnodes)
+
+
+def _train(args) -> None:
+    world = _env_int("WORLD_SIZE")
+    recipe = load_recipe(args.recipe, args.overrides)
+    if world is None and recipe.parallelism.world_size > 1:
+        raise RecipeError(
+            f"parallelism: the recipe needs {recipe.parallelism.world_size} processes and "
+            f"this is one; run it with: bash launch.sh {args.recipe} ..."
+        )
+    validate(recipe, world_size=world if world is not None else 1)
+    check_machine(recipe, local_processes=_env_int("LOCAL_WORLD_SIZE") or 1)
+    _check_checkpoints(recipe, hashes=False, lock=False)  # sha256: by the ranks; the lock: next
+    from .checkpoint import hold
+    from .train import train
+
+    with hold(recipe, _env_int("RANK") or 0):  # rank 0 holds checkpoint.dir's lock
+        train(recipe)
+
+
+def _export_hf(args) -> None:
+    from .checkpoint import export_hf
+
+    files = export_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_mb * 1e6)
+    print(f"wrote {args.out}: config.json, {', '.join(files)}")
+
+
+def _convert_nanotron(args) -> None:
+    from .nanotron import recipe_yaml, warning_line
+    from .recipe import load_nanotron
+
+    recipe, conv = load_nanotron(args.recipe, args.overrides)
+    if line := warning_line(conv):
+        print(line, file=sys.stderr, flush=True)
+    print(recipe_yaml(conv, recipe.to_dict(), args.recipe), end="")
+
+
+def _import_hf(args) -> None:
+    from .checkpoint import import_hf
+
+    print(f"wrote {import_hf(args.hf_dir, args.out)}")
+
+
+COMMANDS = {
+    "plan": _plan,
+    "validate": _validate,
+    "train": _train,
+    "export-hf": _export_hf,
+    "convert-nanotron": _convert_nanotron,
+    "import-hf": _import_hf,
+}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = _parser()
+    # Overrides may also follow the options (`plan R --json tp=2`): argparse leaves them over.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = list(getattr(args, "overrides", [])) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
+    command = None
     try:
-        parser = _parser()
-        # Overrides may also follow the options (`plan R --json tp=2`): argparse leaves them over.
-        args, extra = parser.parse_known_args(argv)
-        unknown = [a for a in extra if a.startswith("-")]
-        if unknown:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        args.overrides = list(getattr(args, "overrides", [])) + extra
-        if args.command == "plan":
-            from .plan import format_plan, peak_tflops
-
-            recipe = load_recipe(args.recipe, args.overrides, world_size=args.world)
-            peak = peak_tflops(args.gpu, args.peak_tflops, args.mfu)
-            print(format_plan(recipe, args.json, peak=peak, mfu=args.mfu))
-        elif args.command == "validate":
-            recipe = load_recipe(args.recipe, args.overrides)
-            world = recipe.parallelism.world_size
-            if args.nnodes < 1 or world % args.nnodes:
-                raise RecipeError(
-                    f"NNODES={args.nnodes}: the world size {world} is not divisible by it; valid: a divisor of {world}"
-                )
-            _check_checkpoints(recipe, hashes=True)
-            print(world // args.nnodes)
-        elif args.command == "train":
-            world = _env_int("WORLD_SIZE")
-            recipe = load_recipe(args.recipe, args.overrides)
-            if world is None and recipe.parallelism.world_size > 1:
-                raise RecipeError(
-                    f"parallelism: the recipe needs {recipe.parallelism.world_size} processes and "
-                    f"this is one; run it with: bash launch.sh {args.recipe} ..."
-                )
-            validate(recipe, world_size=world if world is not None else 1)
-            _check_checkpoints(recipe, hashes=False, lock=False)  # sha256: by the ranks; the lock: next
-            from .checkpoint import hold
-            from .train import train
-
-            with hold(recipe, _env_int("RANK") or 0):  # rank 0 holds checkpoint.dir's lock
-                train(recipe)
-        elif args.command == "export-hf":
-            from .checkpoint import export_hf
-
-            files = export_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_mb * 1e6)
-            print(f"wrote {args.out}: config.json, {', '.join(files)}")
-        elif args.command == "convert-nanotron":
-            from .nanotron import recipe_yaml, warning_line
-            from .recipe import load_nanotron
-
-            recipe, conv = load_nanotron(args.recipe, args.overrides)
-            if line := warning_line(conv):
-                print(line, file=sys.stderr, flush=True)
-            print(recipe_yaml(conv, recipe.to_dict(), args.recipe), end="")
-        elif args.command == "import-hf":
-            from .checkpoint import import_hf
-
-            print(f"wrote {import_hf(args.hf_dir, args.out)}")
+        args = _parse(argv)
+        command = args.command
+        COMMANDS[command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
     except UserError as e:
         rank = os.environ.get("RANK", "0")
         if not rank.strip().isdigit() or int(rank) == 0:  # one line per job, not one per rank
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `plan ... | head`: the reader has what it wanted
+        if command == "train":
+            raise  # not a reader that stopped early
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
     return 0
 
 
