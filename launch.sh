@@ -29,10 +29,18 @@ if [ -n "${MASTER_PORT:-}" ]; then
 elif [ "$((10#$NNODES))" -gt 1 ]; then  # each node would pick its own port and wait for the others forever
   echo "error: MASTER_PORT is not set but NNODES=$NNODES; with more than one node set the same MASTER_PORT (a free port on node 0, e.g. 29500) and MASTER_ADDR on every node" >&2; exit 2
 fi
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+case "$MAX_RESTARTS" in ''|*[!0-9]*)
+  echo "error: MAX_RESTARTS='$MAX_RESTARTS' must be a non-negative integer (restarts after a failed rank; default 0)" >&2; exit 2;;
+esac
 nproc=$("$PYTHON" -m dtensor3d validate "$@" --nnodes "$NNODES") || exit $?
 if [ -z "${MASTER_PORT:-}" ]; then
   MASTER_PORT=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 fi
-exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+# torch's elastic agent (dtensor3d/supervise.py: torchrun that passes SIGTERM/SIGINT on to the
+# ranks, which save and exit 0). c10d rendezvous at MASTER_ADDR:MASTER_PORT (node 0 hosts it);
+# a failed or killed rank restarts the job from the newest complete checkpoint, MAX_RESTARTS times.
+exec "$PYTHON" -m dtensor3d.supervise --nnodes="$NNODES" --node_rank="$NODE_RANK" \
   --nproc_per_node="$nproc" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
-  -m dtensor3d train "$@"
+  --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-dtensor3d}}" \
+  --max-restarts="$MAX_RESTARTS" -m dtensor3d train "$@"

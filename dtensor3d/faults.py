@@ -1,0 +1,289 @@
+"""Faults during a run, seen by the ranks: preemption signals, non-finite steps, collectives
+that do not complete. Each is agreed by every rank, so all of them stop (or skip) at the
+same step.
+
+- Preemption: SIGTERM or SIGINT sets a flag. The C-level handler also writes to a wakeup
+  pipe, so a watchdog thread notices at once even while the main thread waits inside a
+  collective. At each step boundary the ranks take the maximum of their flags (one tiny
+  all-reduce), so a signal to any one rank stops them all after the same step; the loop then
+  saves a checkpoint and exits 0. A stop that takes longer than
+  checkpoint.preempt_timeout_s is ended by the watchdog (one line, exit 1).
+- Non-finite values: the loss and the gradient norm are all-reduced, so every rank sees the
+  same NaN or inf; the optimizer step is then skipped everywhere (no parameter or optimizer
+  state changes). training.on_nonfinite=stop ends the run with one line naming the step and
+  the loss or the first parameter (by name) whose gradient was non-finite; skip counts
+  `skipped_steps` and stops after training.max_skipped_steps consecutive skips.
+- Hangs: training.timeout_s is set on every process group, so a collective that does not
+  complete raises instead of waiting forever; the loop turns it into one line naming the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import sys
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+from .parallel.shards import local
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+NAME_BYTES = 256  # a parameter name, as bytes, in the all-reduce that finds the first bad one
+
+
+class FaultError(UserError):
+    """A fault seen during training that every rank agrees on (a non-finite step, a failed
+    save): one `error:` line naming the step or the directory; nothing saved is lost."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective that failed or did not complete in time (a hung or dead rank)."""
+
+
+# ---------------------------------------------------------------- preemption
+
+
+class Preemption:
+    """SIGTERM/SIGINT handling for one run. `install()` before setup, `close()` at the end."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.signal: int | None = None  # the first signal received
+        self.finished = threading.Event()
+        self.previous: dict[int, object] = {}
+        self.pipe: tuple[int, int] | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.pipe = os.pipe()
+        os.set_blocking(self.pipe[1], False)
+        for sig in SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handler)
+        self.previous[-1] = signal.set_wakeup_fd(self.pipe[1], warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="dtensor3d-preemption", daemon=True).start()
+        # Under launch.sh the ranks start with these blocked (supervise.py): one that came
+        # during the start is delivered now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+    def _handler(self, signum, frame) -> None:  # runs in the main thread between bytecodes
+        if self.signal is None:
+            self.signal = signum
+
+    def _watch(self) -> None:
+        """Wake on the first signal byte; end the process if the stop overruns its deadline."""
+        try:
+            byte = os.read(self.pipe[0], 1)
+        except OSError:
+            return
+        if not byte or self.finished.is_set():
+            return
+        if self.signal is None:
+            self.signal = byte[0]
+        if not self.finished.wait(self.timeout_s):
+            name = signal.Signals(self.signal).name
+            print(
+                f"error: rank {dist.get_rank() if dist.is_initialized() else 0}: {name} received but the run did not "
+                f"stop and save within checkpoint.preempt_timeout_s={self.timeout_s:g} s; exiting without a new "
+                f"checkpoint (a resume takes the newest complete one)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+
+    def agreed(self, device: torch.device) -> str | None:
+        """Collective: the name of the signal any rank received, or None. Call at each step boundary."""
+        flag = torch.tensor([self.signal or 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        value = int(flag.item())
+        if value and self.signal is None:
+            self.signal = value
+        return signal.Signals(value).name if value else None
+
+    def close(self) -> None:
+        self.finished.set()
+        if self.pipe is None:
+            return
+        signal.set_wakeup_fd(self.previous.pop(-1))
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        os.close(self.pipe[1])  # the watcher's read returns b""
+        self.pipe = None
+
+
+def preempted_line(name: str, step: int, saved: str | None, ckpt_dir: str | None) -> str:
+    if saved:
+        what = f"saved {saved}; run the same command again to resume from step {step}"
+    elif ckpt_dir:
+        what = f"checkpoint {ckpt_dir} kept as it was"
+    else:
+        what = "no checkpoint.dir is set, so nothing was saved and the run cannot resume"
+    return f"preempted: {name} received; stopped after step {step}; {what}"
+
+
+# ---------------------------------------------------------------- non-finite steps
+
+
+def first_nonfinite_grad(model: torch.nn.Module, stage: int) -> str | None:
+    """Collective: the name of the first parameter (pipeline stage, then model order) whose
+    gradient holds a NaN or inf on any rank; None when every gradient is finite."""
+    order = math.inf
+    name = ""
+    for i, (n, p) in enumerate(model.named_parameters()):
+        if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all()):
+            order, name = stage * 1_000_000 + i, n
+            break
+    device = next(model.parameters()).device
+    best = torch.tensor([order], dtype=torch.float64, device=device)
+    dist.all_reduce(best, op=dist.ReduceOp.MIN)
+    mine = name.encode()[:NAME_BYTES] if order == best.item() else b""
+    text = torch.zeros(NAME_BYTES, dtype=torch.int32, device=device)
+    text[: len(mine)] = torch.tensor(list(mine), dtype=torch.int32)
+    dist.all_reduce(text, op=dist.ReduceOp.MAX)  # every rank holding the first one has the same name
+    return bytes(text[text > 0].tolist()).decode(errors="replace") or None
+
+
+def nonfinite(model: torch.nn.Module, stage: int, loss: float, grad_norm: float) -> str | None:
+    """What was non-finite in a step (the same answer on every rank, as loss and grad_norm are
+    all-reduced), or None. Collective when something was."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return None
+    if not math.isfinite(loss):
+        return f"the loss ({loss})"
+    name = first_nonfinite_grad(model, stage)
+    if name is None:
+        return f"the gradient norm ({grad_norm}; every gradient is finite, their squared sum overflowed)"
+    return f"the gradient of {name} (grad_norm {grad_norm})"
+
+
+class SkipCount:
+    """training.on_nonfinite for the loop: adds `skipped_steps` to a skipped step's metrics,
+    raises FaultError on stop or after max_skipped_steps consecutive skips."""
+
+    def __init__(self, training, ckpt_dir: str | None):
+        self.mode, self.limit, self.ckpt_dir = training.on_nonfinite, training.max_skipped_steps, ckpt_dir
+        self.total = self.consecutive = 0
+
+    def after(self, metrics: dict) -> None:
+        what = metrics.pop("nonfinite", None)
+        if what is None:
+            self.consecutive = 0
+            return
+        self.total += 1
+        self.consecutive += 1
+        metrics["skipped_steps"] = self.total
+        step = metrics["step"]
+        if self.mode == "stop":
+            raise FaultError(
+                f"step {step}: {what} is non-finite; no update was made and training stopped "
+                f"(training.on_nonfinite=stop){self._kept()}"
+            )
+        if self.consecutive >= self.limit:
+            raise FaultError(
+                f"step {step}: {what} is non-finite, the {self.consecutive}th step skipped in a row "
+                f"(training.max_skipped_steps={self.limit}); training stopped{self._kept()}"
+            )
+
+    def _kept(self) -> str:
+        if not self.ckpt_dir:
+            return ""
+        return f"; checkpoint.dir={self.ckpt_dir} keeps the last good checkpoint, untouched"
+
+
+# ---------------------------------------------------------------- collectives that do not complete
+
+
+def set_timeout(seconds: float) -> None:
+    """Give every process group this rank belongs to (the world, the mesh axes and views) the
+    timeout: a collective that does not complete in time raises instead of hanging."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        with contextlib.suppress(ValueError, RuntimeError, AssertionError):
+            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+@contextlib.contextmanager
+def collective_guard(step: int, timeout_s: float):
+    """Turn a failed collective inside a step into a CollectiveError naming the step."""
+    try:
+        yield
+    except (dist.DistError, RuntimeError) as e:
+        if isinstance(e, UserError):
+            raise
+        text = " ".join(str(e).split())[:400]
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            why = f"a collective did not complete within training.timeout_s={timeout_s:g} s (a rank hung or stopped)"
+        else:
+            why = "a collective failed (a rank died or its connection closed)"
+        raise CollectiveError(f"step {step}: {why}: {text}") from None
+
+
+def report_collective(err: CollectiveError) -> int:
+    """Print a CollectiveError as one line from this rank (other ranks may be gone); exit status 1."""
+    print(f"error: rank {dist.get_rank()}: {err}", file=sys.stderr, flush=True)
+    return 1
+
+
+# ---------------------------------------------------------------- the loop's view
+
+
+class Guard:
+    """What the training loop calls: `Guard(recipe)` before setup (signal handlers), `attach`
+    after it, `step()` around each step, `check(metrics)` before logging, `boundary(state)`
+    after it (interval checkpoints, preemption; True: stop now), `close()` at the end."""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+        self.preemption = Preemption(recipe.checkpoint.preempt_timeout_s)
+        self.preemption.install()
+        self.skips = SkipCount(recipe.training, recipe.checkpoint.dir)
+        self.saver = None
+
+    def attach(self, state) -> None:
+        from .checkpoint.background import Saver
+
+        set_timeout(self.recipe.training.timeout_s)
+        if self.recipe.checkpoint.dir:
+            self.saver = Saver(state)
+
+    def step(self, state):
+        return collective_guard(state.step + 1, self.recipe.training.timeout_s)
+
+    def check(self, metrics: dict) -> None:
+        self.skips.after(metrics)
+
+    def boundary(self, state) -> bool:
+        """Collective: save when due; on an agreed SIGTERM/SIGINT save (if not just saved),
+        wait for the save, print one line (rank 0) and return True."""
+        from .checkpoint import checkpoint_due
+
+        with collective_guard(state.step, self.recipe.training.timeout_s):
+            saved = self.saver.save(state) if checkpoint_due(self.recipe, state.step) else None
+            name = self.preemption.agreed(state.device)
+            if name is None:
+                return False
+            if self.saver is not None:
+                saved = saved or self.saver.save(state)
+                self.saver.wait()
+        if dist.get_rank() == 0:
+            print(preempted_line(name, state.step, saved, self.recipe.checkpoint.dir), flush=True)
+        return True
+
+    def finish(self, state) -> None:
+        """Collective, at a normal end: wait for a background save (raises if it failed)."""
+        if self.saver is not None:
+            with collective_guard(state.step, self.recipe.training.timeout_s):
+                self.saver.wait()
+
+    def close(self) -> None:
+        """Always, last: let a background save of a good step finish; restore the signal handlers."""
+        if self.saver is not None and self.saver.thread is not None:
+            self.saver.thread.join()
+        self.preemption.close()
