@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 
 import torch
 from safetensors import safe_open
@@ -225,10 +226,25 @@ def seal(step_tmp: str, record: dict) -> None:
     fsync(step_tmp)
 
 
+def _set_aside(step_dir: str) -> None:
+    """A broken step directory about to be written again is renamed, never deleted."""
+    aside, n = f"{step_dir}.broken", 1
+    while os.path.exists(aside):
+        aside, n = f"{step_dir}.broken{n}", n + 1
+    os.rename(step_dir, aside)
+    print(
+        f"warning: checkpoint {step_dir} was broken ({manifest_problem(aside)}); kept as {aside}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def publish(ckpt_dir: str, step_tmp: str, name: str) -> str:
     """Rename a sealed step directory into place (replacing one of the same step), then
     point `latest` at it."""
     final = os.path.join(ckpt_dir, name)
+    if os.path.exists(final) and manifest_problem(final) is not None:
+        _set_aside(final)
     if os.path.exists(final):
         old = os.path.join(ckpt_dir, f".old-{name}")
         shutil.rmtree(old, ignore_errors=True)
