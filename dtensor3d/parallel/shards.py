@@ -9,6 +9,9 @@ topology-independent.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -38,3 +41,26 @@ def copy_full_(dst: torch.Tensor, full: torch.Tensor) -> None:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on the CPU (a collective over its mesh when it is a DTensor)."""
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().contiguous()
+
+
+def param_layout(model: torch.nn.Module) -> dict[str, dict]:
+    """How this rank holds each parameter: global and local shape, and for a DTensor the
+    mesh axes and placements (e.g. ["dp_cp", "tp"], ["Shard(dim=0)", "Shard(dim=0)"])."""
+    out = {}
+    for name, p in model.named_parameters():
+        entry = {"shape": list(p.shape), "local_shape": list(local(p).shape), "mesh": [], "placements": []}
+        if isinstance(p, DTensor):
+            entry["mesh"] = list(p.device_mesh.mesh_dim_names or ())
+            entry["placements"] = [str(pl) for pl in p.placements]
+        out[name] = entry
+    return out
+
+
+def write_layout(model: torch.nn.Module, coords: dict[str, int], rank: int, run_dir: str) -> str:
+    """<run_dir>/layout/rank<R>.json: this rank's coordinates and `param_layout` (what
+    `logging.layout: true` asks for; the tests check it against each parallelism's plan)."""
+    path = os.path.join(run_dir, "layout", f"rank{rank}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"rank": rank, "coords": coords, "params": param_layout(model)}, f, indent=1)
+    return path

@@ -1,0 +1,117 @@
+"""The sharding each parallel configuration promises, written from the plans' meaning (not
+from the code that applies them), and the check of a run's `logging.layout` files.
+
+Per parameter: which tensor dim each mesh axis splits, hence its local shape, and on
+which pipeline stage it lives:
+- tp: q/k/v, gate/up and the head split their output dim (0), o/down their input dim (1),
+  the embedding its vocabulary (0); norms (replicated tp DTensors under sequence
+  parallelism) and everything inside an MoE layer (router, experts, shared expert) are
+  whole on every tp rank.
+- ep: the stacked experts [E, in, out] split E (dim 0) over ep.
+- fsdp (dp_mode shard): every parameter's dim 0 over ep x dp x cp (dense) or dp x cp
+  (experts); hybrid: the same over the shard axis, replicated over dp_replicate;
+  replicate: no data-parallel split at all.
+- pp: a stage holds its own layers (balanced, earlier stages take the remainder, or
+  pp_layers), the embedding on the first, the norm and head on the last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from dtensor3d.models import build_on_meta
+
+TP_DIM = {
+    "self_attn.q_proj.weight": 0,
+    "self_attn.k_proj.weight": 0,
+    "self_attn.v_proj.weight": 0,
+    "self_attn.o_proj.weight": 1,
+    "mlp.gate_proj.weight": 0,
+    "mlp.up_proj.weight": 0,
+    "mlp.down_proj.weight": 1,
+    "model.embed_tokens.weight": 0,
+    "lm_head.weight": 0,
+}
+
+
+def stage_of(name: str, cfg, p) -> set[int]:
+    """The pipeline stages that hold parameter `name`."""
+    counts = list(
+        p.pp_layers or [cfg.num_hidden_layers // p.pp + (s < cfg.num_hidden_layers % p.pp) for s in range(p.pp)]
+    )
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m:
+        layer, start = int(m[1]), 0
+        for stage, n in enumerate(counts):
+            if start <= layer < start + n:
+                return {stage}
+            start += n
+    if name.startswith("model.embed_tokens"):
+        return {0}
+    return {p.pp - 1}  # final norm, head
+
+
+def mesh_sizes(p) -> dict[str, int]:
+    shard = p.dp_shard if p.dp_mode == "hybrid" else p.dp
+    return {
+        "tp": p.tp,
+        "ep": p.ep,
+        "dp_cp": p.dp * p.cp,
+        "ep_dp_cp": p.ep * p.dp * p.cp,
+        "dp_replicate": p.dp // shard,
+        "dp_shard_cp": shard * p.cp,
+        "ep_dp_shard_cp": p.ep * shard * p.cp,
+    }
+
+
+def expected_splits(name: str, p) -> dict[str, int | None]:
+    """{mesh axis: tensor dim it splits (None: replicated over it)} of one parameter."""
+    inside_moe = ".block_sparse_moe." in name
+    expert = ".experts.w" in name
+    splits: dict[str, int | None] = {}
+    fsdp = p.dp_mode in ("shard", "hybrid") and p.ep * p.dp * p.cp > 1
+    if fsdp and p.dp_mode == "hybrid":
+        splits["dp_replicate"] = None
+        splits["dp_shard_cp" if expert else "ep_dp_shard_cp"] = 0
+    elif fsdp:
+        splits["dp_cp" if expert else "ep_dp_cp"] = 0
+    if expert and p.ep > 1:
+        splits["ep"] = 0
+    key = next((k for k in TP_DIM if name.endswith(k)), None)
+    if p.tp > 1 and key is not None and not inside_moe:
+        splits["tp"] = TP_DIM[key]
+    if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" and name.endswith("norm.weight"):
+        splits["tp"] = None  # sequence parallelism: norms are tp DTensors, replicated
+    return splits
+
+
+def actual_splits(entry: dict) -> dict[str, int | None]:
+    out = {}
+    for axis, placement in zip(entry["mesh"], entry["placements"]):
+        m = re.search(r"S(?:hard)?\((?:dim=)?(\d+)", placement)
+        out[axis] = int(m[1]) if m else None
+    return out
+
+
+def check_layout(run_dir: Path, recipe) -> int:
+    """Assert every rank's layout file against the plan; returns the number of ranks checked."""
+    p, cfg = recipe.parallelism, recipe.model
+    full = {n: list(q.shape) for n, q in build_on_meta(cfg).named_parameters()}
+    sizes, files = mesh_sizes(p), sorted((run_dir / "layout").glob("rank*.json"))
+    assert len(files) == p.world_size, files
+    for f in files:
+        rank = json.loads(f.read_text())
+        params, stage = rank["params"], rank["coords"]["pp"]
+        assert set(params) == {n for n in full if stage in stage_of(n, cfg, p)}, (f.name, stage)
+        for name, entry in params.items():
+            want = expected_splits(name, p)
+            assert actual_splits(entry) == want, (f.name, name, entry, want)
+            assert entry["shape"] == full[name]
+            for d, size in enumerate(full[name]):
+                k = math.prod(sizes[a] for a, dim in want.items() if dim == d)
+                local = entry["local_shape"][d]
+                assert local == size // k if size % k == 0 else local <= -(-size // k), (f.name, name, d, entry)
+    return len(files)
