@@ -179,7 +179,9 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class DataConfig:
     kind: str = "synthetic"
-    path: str | None = None
+    path: str | None = None  # tokens: a prepared directory (prepare-data) or one .npy / .bin token file
+    seed: int | None = None  # the sample order's seed (null: training.seed)
+    validation: str | None = "split"  # validation windows: "split" (data.path's own), a prepared directory, or null
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,7 @@ class LoggingConfig:
     every: int = 1
     tensorboard: bool = False  # TensorBoard events in <run_dir>/tensorboard (the `tensorboard` extra)
     profile_steps: tuple[int, ...] | None = None  # [first, last]: a torch.profiler trace per rank of those steps
+    layout: bool = False  # <run_dir>/layout/rank<R>.json: how each rank holds every parameter
 
 
 @dataclass(frozen=True)
@@ -684,6 +687,11 @@ def _validate_rest(recipe: Recipe) -> None:
     """Data, logging, the seed, checkpoints and evaluation."""
     if recipe.data.kind == "tokens" and not recipe.data.path:
         raise _fail("data.path is required with data.kind 'tokens'; give the path of a token file")
+    if recipe.data.kind == "synthetic" and recipe.data.path:
+        raise _fail(
+            f"data.path={recipe.data.path!r} is given but data.kind is 'synthetic', which reads no file; "
+            "set data.kind: tokens to train on it, or drop data.path"
+        )
     _validate_logging(recipe)
     _validate_seed(recipe.training.seed)
     if recipe.checkpoint.interval < 0:

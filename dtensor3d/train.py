@@ -32,7 +32,7 @@ from .models.layers import init_std
 from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
 from .parallel import context, data, expert, pipeline, tensor
 from .parallel.parallelize import parallelize
-from .parallel.shards import copy_full_, local
+from .parallel.shards import copy_full_, local, write_layout
 from .recipe import Recipe
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -193,6 +193,8 @@ def train(recipe: Recipe) -> list[dict]:
     guard = faults.Guard(recipe)  # signal handlers before setup: a SIGTERM during it counts
     state = setup(recipe)
     guard.attach(state)
+    if recipe.logging.layout:
+        write_layout(state.model, state.coords, dist.get_rank(), recipe.logging.run_dir)
     t = recipe.training
     rank = dist.get_rank()
     log = MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=rank == 0, resume=state.step)
