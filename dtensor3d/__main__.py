@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert-nanotron", help="print the recipe YAML a nanotron config maps to")
     conv.add_argument("recipe", help="a nanotron YAML config")
     conv.add_argument("overrides", nargs="*", help="key.path=value, nanotron or recipe spelling")
+    from .datasets.cli import add_prepare_parser
+
+    add_prepare_parser(sub)
     return parser
 
 
@@ -139,6 +142,12 @@ COMMANDS = {
     "train": _train,
     "export-hf": _export_hf,
     "convert-nanotron": _convert_nanotron,
+def _prepare_data(args) -> None:
+    from .datasets.cli import run_prepare
+
+    run_prepare(args)
+
+
     "import-hf": _import_hf,
 }
 
@@ -146,6 +155,7 @@ COMMANDS = {
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _parser()
     # Overrides may also follow the options (`plan R --json tp=2`): argparse leaves them over.
+    "prepare-data": _prepare_data,
     args, extra = parser.parse_known_args(argv)
     unknown = [a for a in extra if a.startswith("-")]
     if unknown:

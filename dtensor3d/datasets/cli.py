@@ -1,0 +1,52 @@
+"""The `prepare-data` subcommand: its arguments and its run (__main__ dispatches here)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ..errors import DataError
+
+
+def add_prepare_parser(sub) -> None:
+    p = sub.add_parser("prepare-data", help="tokenize text files into a prepared token directory")
+    p.add_argument("inputs", nargs="*", help="files, directories (recursive), globs, .jsonl, .parquet")
+    p.add_argument("--out", required=True, help="the directory to write (refused if not empty, see --overwrite)")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json, a directory holding one, or 'byte'")
+    p.add_argument("--train-tokenizer", type=int, metavar="VOCAB", help="train a byte-level BPE of VOCAB tokens")
+    p.add_argument("--val-fraction", type=float, default=0.005, help="documents held out for validation")
+    p.add_argument("--workers", type=int, default=1, help="encoding processes")
+    p.add_argument("--text-field", default="text", help="the text field of .jsonl/.parquet/HF dataset rows")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation split's document hash")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching (repeatable)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file at most")
+    p.add_argument("--hf-dataset", help="a Hugging Face dataset: a save_to_disk directory, a local dataset or a name")
+    p.add_argument("--split", default="train", help="the split of --hf-dataset")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (shown only when stderr is a terminal)")
+
+
+def run_prepare(args) -> None:
+    from .prepare import PrepareOptions, prepare, summary
+
+    options = PrepareOptions(
+        inputs=tuple(args.inputs + args.overrides),  # overrides: inputs given after an option
+        out=args.out,
+        tokenizer=args.tokenizer,
+        train_tokenizer=args.train_tokenizer,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        text_field=args.text_field,
+        overwrite=args.overwrite,
+        seed=args.seed,
+        exclude=tuple(args.exclude),
+        shard_tokens=args.shard_tokens,
+        progress=not args.no_progress and sys.stderr.isatty(),
+        hf_dataset=args.hf_dataset,
+        split=args.split,
+    )
+    if options.hf_dataset is not None and options.inputs:
+        raise DataError("prepare-data: give INPUT files or --hf-dataset, not both")
+    start = time.perf_counter()
+    meta = prepare(options)
+    print(summary(args.out, meta, time.perf_counter() - start))

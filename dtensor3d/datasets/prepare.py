@@ -1,0 +1,208 @@
+"""prepare-data: text files -> a prepared directory (datasets/shards.py describes it).
+
+    python -m dtensor3d prepare-data INPUT... --out DIR (--tokenizer PATH|byte | --train-tokenizer V)
+
+Steps: expand the inputs (inputs.py); build the tokenizer (tokenizer.py: trained on the
+training documents when asked); encode tasks in order, in this process or in `workers`
+spawned processes (encode.py), with at most 2 * workers tasks in flight, so the corpus is
+streamed, never held; append each task's tokens to its split's shards (shards.py); write
+meta.json; rename the temporary directory into place. The output bytes depend only on the
+inputs and options, never on `workers` (tasks are cut by size and collected in order).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import DataError
+from . import inputs, tokenizer
+from .encode import Chunk, Encoder, in_validation, init_worker, run_task, task_texts
+from .shards import META, SPLITS, TOKENIZER, ShardWriter, token_dtype
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    inputs: tuple[str, ...]
+    out: str
+    tokenizer: str | None = None  # a tokenizer.json, a directory holding one, or "byte"
+    train_tokenizer: int | None = None  # train a byte-level BPE of this many tokens
+    val_fraction: float = 0.005
+    workers: int = 1
+    text_field: str = "text"
+    overwrite: bool = False
+    seed: int = 0  # of the validation split's hash
+    exclude: tuple[str, ...] = ()
+    shard_tokens: int = 1 << 28
+    progress: bool = True
+    hf_dataset: str | None = None  # see hf.py
+    split: str = "train"
+
+
+def check_options(o: PrepareOptions) -> None:
+    """The arguments alone; nothing is read or written."""
+    if (o.tokenizer is None) == (o.train_tokenizer is None):
+        raise DataError(
+            "prepare-data: give one of --tokenizer PATH (a tokenizer.json or 'byte') or --train-tokenizer VOCAB"
+        )
+    if not 0.0 <= o.val_fraction < 1.0:
+        raise DataError(f"--val-fraction {o.val_fraction}: must be in [0, 1) (a fraction of the documents)")
+    if o.workers < 1 or o.shard_tokens < 1:
+        raise DataError(f"--workers {o.workers}, --shard-tokens {o.shard_tokens}: both must be >= 1")
+    if not o.inputs and o.hf_dataset is None:
+        raise DataError("prepare-data: no INPUT given; pass files, directories or globs (or --hf-dataset)")
+
+
+def check_out(out: str, overwrite: bool) -> None:
+    """An existing non-empty --out is refused unless --overwrite; its parent must be writable."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataError(f"--out {out!r} is an existing file; give a directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise DataError(f"--out {out!r} exists and is not empty; pass --overwrite to replace it")
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {out!r}: cannot create {parent!r}: {e.strerror}") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DataError(f"--out {out!r}: directory {parent!r} is not writable")
+
+
+def _training_texts(tasks: Iterator[tuple], o: PrepareOptions) -> Iterator[str]:
+    for task in tasks:
+        for text in task_texts(task, o.text_field, Chunk()):
+            if text and not in_validation(text, o.val_fraction, o.seed):
+                yield text
+
+
+def build_tokenizer(o: PrepareOptions, tasks) -> tuple[object, tokenizer.Eos, dict]:
+    """(tokenizer, its end-of-document token, meta's "tokenizer" entry)."""
+    if o.train_tokenizer is not None:
+        tok = tokenizer.train_bpe(_training_texts(tasks(), o), o.train_tokenizer)
+        kind = {"kind": "bpe", "trained_vocab": o.train_tokenizer}
+    elif o.tokenizer == "byte":
+        tok, kind = tokenizer.byte_tokenizer(), {"kind": "byte"}
+    else:
+        tok, kind = tokenizer.load_tokenizer(o.tokenizer), {"kind": "file", "source": o.tokenizer}
+    eos = tokenizer.with_eos(tok, None if o.train_tokenizer or o.tokenizer == "byte" else o.tokenizer)
+    entry = {**kind, "file": TOKENIZER, "eos_id": eos.id, "eos_token": eos.token, "eos_added": eos.added}
+    return tok, eos, entry
+
+
+def chunks(tasks: Iterator[tuple], encoder_args: tuple, workers: int) -> Iterator[Chunk]:
+    """Encoded tasks in task order: here (workers 1) or in a pool of spawned processes."""
+    if workers == 1:
+        encoder = Encoder(*encoder_args)
+        yield from (encoder(t) for t in tasks)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, init_worker, (encoder_args,)) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(run_task, (task,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _progress(o: PrepareOptions, total: int | None):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="prepare-data",
+        file=sys.stderr,
+        disable=not o.progress,
+        mininterval=0.5,
+    )
+
+
+def write_splits(o: PrepareOptions, tmp: str, tasks, encoder_args: tuple, total: int | None) -> dict:
+    """Encode every task into the shards under `tmp`; the counts meta.json records."""
+    writers = {s: ShardWriter(tmp, s, encoder_args[2], o.shard_tokens) for s in SPLITS}
+    counts = {"bytes": 0, "binary_skipped": 0, "empty_skipped": 0, "max_token_id": -1}
+    with _progress(o, total) as bar:
+        for chunk in chunks(tasks(), encoder_args, o.workers):
+            for s in SPLITS:
+                writers[s].write(chunk.tokens[s], chunk.lengths[s])
+                if len(chunk.tokens[s]):
+                    counts["max_token_id"] = max(counts["max_token_id"], int(chunk.tokens[s].max()))
+            counts["bytes"] += chunk.bytes_read
+            counts["binary_skipped"] += chunk.binary
+            counts["empty_skipped"] += chunk.empty
+            bar.update(chunk.bytes_read)
+            tokens = writers["train"].tokens + writers["val"].tokens
+            rate = tokens / max(bar.format_dict["elapsed"], 1e-9)
+            bar.set_postfix_str(f"{writers['train'].documents + writers['val'].documents:,} docs, {rate:,.0f} tokens/s")
+    return {"splits": {s: w.close() for s, w in writers.items()}, **counts}
+
+
+def _publish(tmp: str, out: str) -> None:
+    """Rename the finished temporary directory to `out` (replacing an old one only now)."""
+    old = None
+    if os.path.isdir(out):
+        old = f"{tmp}.old"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _task_source(o: PrepareOptions):
+    """(a function returning a fresh task iterator, the input list for meta, total bytes or None)."""
+    if o.hf_dataset is not None:
+        from .hf import hf_tasks
+
+        return (lambda: hf_tasks(o.hf_dataset, o.split, o.text_field)), [f"hf:{o.hf_dataset}:{o.split}"], None
+    files = inputs.expand_inputs(list(o.inputs), list(o.exclude))
+    return (lambda: inputs.plan_tasks(files, o.text_field)), list(o.inputs), inputs.total_bytes(files)
+
+
+def prepare(o: PrepareOptions) -> dict:
+    """Write the prepared directory `o.out`; return its meta.json content."""
+    check_options(o)
+    check_out(o.out, o.overwrite)
+    tasks, named_inputs, total = _task_source(o)
+    tok, eos, tok_entry = build_tokenizer(o, tasks)
+    vocab = tokenizer.vocab_size(tok)
+    dtype = token_dtype(vocab)
+    parent, base = os.path.split(os.path.abspath(o.out))
+    tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
+    os.makedirs(tmp)
+    try:
+        tok.save(os.path.join(tmp, TOKENIZER))
+        args = (tok.to_str(), eos.id, dtype, o.val_fraction, o.seed, o.text_field)
+        written = write_splits(o, tmp, tasks, args, total)
+        if written["splits"]["train"]["tokens"] == 0:
+            raise DataError(f"inputs {' '.join(named_inputs)}: no training text (every file binary, empty or held out)")
+        meta = {"format": "dtensor3d-tokens", "version": 1, "tokenizer": tok_entry, "vocab_size": vocab}
+        meta.update({"dtype": dtype, "val_fraction": o.val_fraction, "split_seed": o.seed, "inputs": named_inputs})
+        meta.update(written)
+        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+        _publish(tmp, o.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def summary(out: str, meta: dict, seconds: float) -> str:
+    """The one line prepare-data prints at the end."""
+    tr, va = meta["splits"]["train"], meta["splits"]["val"]
+    mb = meta["bytes"] / 1e6
+    rate = f"{mb / max(seconds, 1e-9):.2f} MB/s, {(tr['tokens'] + va['tokens']) / max(seconds, 1e-9):,.0f} tokens/s"
+    return (
+        f"prepared {out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in {len(tr['shards'])} "
+        f"shard(s), validation {va['documents']:,} / {va['tokens']:,}; vocab {meta['vocab_size']:,} "
+        f"({meta['dtype']}), EOS {meta['tokenizer']['eos_id']}; {mb:.1f} MB in {seconds:.1f} s ({rate}); "
+        f"skipped {meta['binary_skipped']} binary, {meta['empty_skipped']} empty"
+    )

@@ -1,0 +1,115 @@
+"""The on-disk form of a prepared directory, written by prepare-data and read by tokens.py.
+
+    DIR/meta.json              what is below, the tokenizer, the counts, each shard's size and sha256
+    DIR/tokenizer.json         the Hugging Face tokenizer the ids come from
+    DIR/train_00000.bin ...    flat token ids, little-endian uint16 (vocabulary <= 65536) or uint32
+    DIR/train_docs.bin         int64 document offsets into the split's stream: n_documents + 1
+                               entries, 0 first; document k is tokens [off[k], off[k+1]), its EOS last
+    DIR/val_00000.bin, val_docs.bin   the same for the validation split
+
+Each split is one stream: its shards concatenated in order. Everything is raw little-endian
+arrays (memory-mappable, nothing to unpickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from ..errors import DataError
+
+SPLITS = ("train", "val")
+META = "meta.json"
+TOKENIZER = "tokenizer.json"
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:05d}.bin"
+
+
+def docs_name(split: str) -> str:
+    return f"{split}_docs.bin"
+
+
+class ShardWriter:
+    """Appends token arrays to one split's shards (at most `shard_tokens` each) and its
+    document offsets, hashing as it writes; `close()` returns the split's meta entry."""
+
+    def __init__(self, folder: str, split: str, dtype: str, shard_tokens: int):
+        self.folder, self.split, self.dtype, self.limit = folder, split, np.dtype(dtype), shard_tokens
+        self.shards: list[dict] = []
+        self.file, self.hash, self.in_shard = None, None, 0
+        self.tokens = self.documents = 0
+        self.docs = open(os.path.join(folder, docs_name(split)), "wb")
+        self.docs.write(np.zeros(1, "<i8").tobytes())
+
+    def _finish_shard(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            name = shard_name(self.split, len(self.shards))
+            self.shards.append({"file": name, "tokens": self.in_shard, "bytes": self.in_shard * self.dtype.itemsize})
+            self.shards[-1]["sha256"] = self.hash.hexdigest()
+        self.file, self.hash, self.in_shard = None, None, 0
+
+    def _write_tokens(self, tokens: np.ndarray) -> None:
+        data = tokens.astype(self.dtype.newbyteorder("<"), copy=False)
+        while len(data):
+            if self.file is None:
+                self.file = open(os.path.join(self.folder, shard_name(self.split, len(self.shards))), "wb")
+                self.hash = hashlib.sha256()
+            part = data[: self.limit - self.in_shard]
+            raw = part.tobytes()
+            self.file.write(raw)
+            self.hash.update(raw)
+            self.in_shard += len(part)
+            data = data[len(part) :]
+            if self.in_shard == self.limit:
+                self._finish_shard()
+
+    def write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        self._write_tokens(tokens)
+        self.docs.write((self.tokens + np.cumsum(lengths)).astype("<i8").tobytes())
+        self.tokens += len(tokens)
+        self.documents += len(lengths)
+
+    def close(self) -> dict:
+        self._finish_shard()
+        self.docs.close()
+        return {
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "docs": docs_name(self.split),
+            "shards": self.shards,
+        }
+
+
+def read_meta(path: str) -> dict:
+    """meta.json of a prepared directory; a missing or unreadable one is a DataError."""
+    file = os.path.join(path, META)
+    if not os.path.isfile(file):
+        raise DataError(f"data.path {path!r}: no {META}; prepare the directory with python -m dtensor3d prepare-data")
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+        for key in ("vocab_size", "dtype", "splits"):
+            meta[key]  # noqa: B018 (presence)
+        for split in ("train", "val"):
+            meta["splits"][split]["shards"], meta["splits"][split]["tokens"]  # noqa: B018
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{file}: unreadable ({type(e).__name__}: {e}); prepare the directory again") from None
+    return meta
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,181 @@
+"""prepare-data through the command line: round trips, worker-count independence, the
+split, the output layout, and every bad input (exit 2, one `error:` line, nothing written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtensor3d.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DOCS = {
+    "a.txt": "hello world\n",
+    "sub/b.py": "def f(x):\n    return 'héllo wörld 日本'  # <|endoftext|> is text here\n",
+    "sub/deep/c.md": "# title\n\nsome text\twith tabs\r\nand CRLF\n" * 20,
+    "z.txt": "".join(f"line {i} of a longer document\n" for i in range(300)),
+}
+ROWS = ["row one", "row two, ünïcode", "", "row four\n"]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    root = tmp_path / "in"
+    for name, text in DOCS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    (root / "blob.bin").write_bytes(b"\x00\x01\x02binary")
+    (root / "empty.txt").write_text("")
+    (root / "rows.jsonl").write_text("".join(json.dumps({"text": r, "id": i}) + "\n" for i, r in enumerate(ROWS)))
+    return root
+
+
+def prepare(*args: str) -> int:
+    return main(["prepare-data", *map(str, args), "--no-progress"])
+
+
+def documents(out: Path, split: str) -> list[np.ndarray]:
+    meta = json.loads((out / "meta.json").read_text())
+    shards = [np.fromfile(out / s["file"], dtype=meta["dtype"]) for s in meta["splits"][split]["shards"]]
+    stream = np.concatenate([np.zeros(0, meta["dtype"]), *shards])
+    offsets = np.fromfile(out / f"{split}_docs.bin", dtype="<i8")
+    assert offsets[0] == 0 and offsets[-1] == len(stream) == meta["splits"][split]["tokens"]
+    return [stream[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def decoded_texts(out: Path) -> list[str]:
+    from tokenizers import Tokenizer
+
+    meta = json.loads((out / "meta.json").read_text())
+    tok, eos = Tokenizer.from_file(str(out / "tokenizer.json")), meta["tokenizer"]["eos_id"]
+    texts = []
+    for split in ("train", "val"):
+        for doc in documents(out, split):
+            assert doc[-1] == eos and eos not in doc[:-1]
+            texts.append(tok.decode(doc[:-1].tolist(), skip_special_tokens=False))
+    return texts
+
+
+@pytest.mark.parametrize("tokenizer", [["--tokenizer", "byte"], ["--train-tokenizer", "300"]])
+def test_decode_gives_every_document_back(corpus, tmp_path, tokenizer, capsys):
+    out = tmp_path / "out"
+    assert prepare(corpus, "--out", out, "--val-fraction", "0.3", *tokenizer) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    expected = [*DOCS.values(), *(r for r in ROWS if r)]
+    assert sorted(decoded_texts(out)) == sorted(expected)
+    assert meta["binary_skipped"] == 1 and meta["empty_skipped"] == 2  # empty.txt and the empty row
+    assert meta["splits"]["val"]["documents"] > 0 and meta["splits"]["train"]["documents"] > 0
+    assert meta["dtype"] == "uint16" and meta["max_token_id"] < meta["vocab_size"]
+    assert capsys.readouterr().out.startswith(f"prepared {out}: train ")
+    if tokenizer[0] == "--tokenizer":  # the byte tokenizer: id = byte value
+        assert meta["vocab_size"] == 257 and meta["tokenizer"]["eos_id"] == 256
+        for doc in documents(out, "train"):
+            assert doc[:-1].max() < 256 and bytes(doc[:-1].astype(np.uint8)).decode() in expected
+
+
+def test_output_is_identical_for_any_worker_count(corpus, tmp_path):
+    outs = []
+    for workers in (1, 2, 3):
+        outs.append(tmp_path / f"w{workers}")
+        args = ["--train-tokenizer", "320", "--workers", str(workers), "--shard-tokens", "500"]
+        assert prepare(corpus, "--out", outs[-1], *args) == 0
+    names = sorted(os.listdir(outs[0]))
+    assert len([n for n in names if n.startswith("train_0")]) > 2  # several shards
+    for other in outs[1:]:
+        assert sorted(os.listdir(other)) == names
+        for name in names:
+            assert (other / name).read_bytes() == (outs[0] / name).read_bytes(), name
+
+
+def test_split_depends_on_the_document_not_the_order(tmp_path):
+    files = []
+    for i in range(40):
+        files.append(str(tmp_path / f"doc{i:02d}.txt"))
+        Path(files[-1]).write_text(f"document number {i}\n")
+    a, b = tmp_path / "a", tmp_path / "b"
+    prepare(*files, "--out", a, "--tokenizer", "byte", "--val-fraction", "0.5")
+    prepare(*reversed(files), "--out", b, "--tokenizer", "byte", "--val-fraction", "0.5")
+    val = [sorted(d.tobytes() for d in documents(o, "val")) for o in (a, b)]
+    assert val[0] == val[1] and 5 < len(val[0]) < 35
+
+
+def test_tokenizer_directory_with_its_own_eos_and_globs(corpus, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["</s>"])
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    tok.save(str(hub / "tokenizer.json"))
+    (hub / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    out = tmp_path / "out"
+    assert prepare(str(corpus / "*.txt"), "--out", out, "--tokenizer", hub, "--val-fraction", "0") == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["tokenizer"]["eos_token"] == "</s>" and meta["tokenizer"]["eos_id"] == 3
+    assert not meta["tokenizer"]["eos_added"] and meta["splits"]["train"]["documents"] == 2  # a.txt, z.txt
+    assert documents(out, "train")[0].tolist() == [1, 2, 3]
+
+
+def test_parquet_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["first row", "second row"]}), tmp_path / "d.parquet")
+    out = tmp_path / "out"
+    assert prepare(tmp_path / "d.parquet", "--out", out, "--tokenizer", "byte", "--text-field", "content") == 0
+    assert sorted(decoded_texts(out)) == ["first row", "second row"]
+
+
+def test_overwrite_replaces_and_refusal_keeps(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert prepare(corpus, "--out", out, "--tokenizer", "byte") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not empty" in err and "--overwrite" in err
+    assert os.listdir(out) == ["keep.txt"]
+    assert prepare(corpus, "--out", out, "--tokenizer", "byte", "--overwrite") == 0
+    assert "keep.txt" not in os.listdir(out) and (out / "meta.json").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".out")]  # no temporary left
+
+
+def _bad_cases(corpus: Path, tmp_path: Path) -> list[tuple[list, str]]:
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    (tmp_path / "afile").write_text("x")
+    return [
+        ([corpus, "--out", tmp_path / "o"], "--tokenizer"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--train-tokenizer", "300"], "one of"),
+        ([tmp_path / "nope", "--out", tmp_path / "o", "--tokenizer", "byte"], "no such file"),
+        ([str(tmp_path / "*.nothing"), "--out", tmp_path / "o", "--tokenizer", "byte"], "matches no file"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", tmp_path / "none.json"], "none.json"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", tmp_path / "afile"], "cannot be read"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--val-fraction", "1"], "--val-fraction"),
+        ([corpus, "--out", tmp_path / "o", "--train-tokenizer", "100"], "at least 257"),
+        ([corpus, "--out", tmp_path / "afile", "--tokenizer", "byte"], "existing file"),
+        ([bad_jsonl, "--out", tmp_path / "o", "--tokenizer", "byte"], "bad.jsonl:2"),
+        ([corpus / "blob.bin", "--out", tmp_path / "o", "--tokenizer", "byte"], "no training text"),
+    ]
+
+
+def test_bad_inputs_one_line_nothing_written(corpus, tmp_path):
+    for args, needle in _bad_cases(corpus, tmp_path):
+        proc = subprocess.run(
+            [sys.executable, "-m", "dtensor3d", "prepare-data", *map(str, args)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (args, proc.stderr)
+        assert needle in lines[0], (needle, lines[0])
+        assert not (tmp_path / "o").exists()
+        assert not [p for p in os.listdir(tmp_path) if p.startswith(".o.tmp")]
