@@ -59,7 +59,7 @@ HYBRID_VIEWS = {
 }
 
 
-def _views(mesh) -> dict[str, tuple[str, ...]]:
+def mesh_views(mesh) -> dict[str, tuple[str, ...]]:
     return HYBRID_VIEWS if "dp_replicate" in (mesh.mesh_dim_names or ()) else FLAT_VIEWS
 
 
@@ -86,7 +86,7 @@ def mesh_axis(mesh, name: str):
     """One axis of a mesh from `build_mesh`, or one of its flattened views. Flattening again
     returns the view made by build_mesh; slicing a flattened view out of the root mesh is
     deprecated in torch."""
-    views = _views(mesh)
+    views = mesh_views(mesh)
     if name in views:
         return mesh[views[name]]._flatten(name)
     return mesh[name]

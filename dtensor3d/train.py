@@ -9,6 +9,7 @@ What each parallel dimension does at step time lives in its own file under paral
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
@@ -31,8 +32,10 @@ from .models import materialize
 from .models.layers import init_std
 from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
 from .parallel import context, data, expert, pipeline, tensor
+from .parallel.comm import count_step
 from .parallel.parallelize import parallelize
 from .parallel.shards import copy_full_, local, write_layout
+from .profiling import StepProfiler
 from .recipe import Recipe
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -178,6 +181,17 @@ def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torc
     return inputs.to(state.device), targets.to(state.device)
 
 
+@contextlib.contextmanager
+def layout_probe(state: TrainState):
+    """With logging.layout, count the collectives of step 2 (step 1 also runs a pipeline's
+    shape inference); yields the counter, or None on every other step."""
+    if not (state.recipe.logging.layout and state.step == 1):
+        yield None
+        return
+    with count_step(state.mesh) as counter:
+        yield counter
+
+
 def _banner(state: TrainState) -> str:
     n_local = sum(local(q).numel() for q in state.model.parameters())
     p, t = state.recipe.parallelism, state.recipe.training
@@ -185,6 +199,53 @@ def _banner(state: TrainState) -> str:
         f"dtensor3d: world {dist.get_world_size()} {p.dims} on {state.device.type}, "
         f"{n_local} local params on rank 0, {t.steps} steps"
     )
+
+
+@dataclass
+class Loop:
+    """What the loop keeps beside the TrainState: its log, data, guard and probes."""
+
+    log: MetricsLog
+    source: Callable[[int], torch.Tensor]
+    guard: faults.Guard
+    profiler: StepProfiler
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float | None
+
+
+def _loop(recipe: Recipe, state: TrainState, guard: faults.Guard) -> Loop:
+    rank, t = dist.get_rank(), recipe.training
+    return Loop(
+        log=MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=rank == 0, resume=state.step),
+        source=make_source(recipe),
+        guard=guard,
+        profiler=StepProfiler(recipe.logging.profile_steps, recipe.logging.run_dir, rank, state.device),
+        tokens_per_step=t.global_batch_size * t.sequence_length,
+        flops_per_token=flops_per_token(recipe.model, t.sequence_length),
+        peak_flops=peak_flops(state.device),
+    )
+
+
+def run_step(state: TrainState, loop: Loop) -> dict:
+    """One step of the loop: the train step (under the guard and any probes), the
+    validation loss when due, and the log line when due. Returns the step's metrics."""
+    recipe, start = state.recipe, time.perf_counter()
+    with loop.guard.step(state), loop.profiler.step(state.step + 1), layout_probe(state) as comm:
+        metrics = train_step(state, rank_batch(state, loop.source, state.step))
+    if comm is not None:  # logging.layout: the layout again, with step 2's collective bytes
+        write_layout(state.model, state.coords, dist.get_rank(), recipe.logging.run_dir, comm.result())
+    elapsed = time.perf_counter() - start
+    loop.guard.check(metrics)
+    if eval_due(recipe, state.step):
+        metrics.update(validation_loss(state, make_source(recipe, "validation"), compute_dtype_context(state)))
+    if state.step % recipe.logging.every == 0 or state.step == recipe.training.steps or "val_loss" in metrics:
+        tps = loop.tokens_per_step / elapsed
+        mfu = tps * loop.flops_per_token / (loop.peak_flops * dist.get_world_size()) if loop.peak_flops else None
+        memory = peak_memory_gib(state.device)
+        metrics.update(tokens_per_sec=tps, ms_per_step=1000 * elapsed, peak_mem_gib=memory, mfu=mfu)
+        loop.log.log(metrics)
+    return metrics
 
 
 def train(recipe: Recipe) -> list[dict]:
@@ -195,30 +256,12 @@ def train(recipe: Recipe) -> list[dict]:
     guard.attach(state)
     if recipe.logging.layout:
         write_layout(state.model, state.coords, dist.get_rank(), recipe.logging.run_dir)
-    t = recipe.training
-    rank = dist.get_rank()
-    log = MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=rank == 0, resume=state.step)
-    source = make_source(recipe)
-    tokens = t.global_batch_size * t.sequence_length
-    fpt, peak = flops_per_token(recipe.model, t.sequence_length), peak_flops(state.device)
-    if rank == 0:
+    loop = _loop(recipe, state, guard)
+    if dist.get_rank() == 0:
         print(_banner(state), flush=True)
     try:
-        while state.step < t.steps:
-            start = time.perf_counter()
-            with guard.step(state):
-                metrics = train_step(state, rank_batch(state, source, state.step))
-            elapsed = time.perf_counter() - start
-            guard.check(metrics)
-            if eval_due(recipe, state.step):
-                metrics.update(validation_loss(state, make_source(recipe, "validation"), compute_dtype_context(state)))
-            if state.step % recipe.logging.every == 0 or state.step == t.steps or "val_loss" in metrics:
-                tps = tokens / elapsed
-                mfu = tps * fpt / (peak * dist.get_world_size()) if peak else None
-                metrics.update(
-                    tokens_per_sec=tps, ms_per_step=1000 * elapsed, peak_mem_gib=peak_memory_gib(state.device), mfu=mfu
-                )
-                log.log(metrics)
+        while state.step < recipe.training.steps:
+            run_step(state, loop)
             if guard.boundary(state):  # interval checkpoints; True: preempted, saved
                 break
         guard.finish(state)
@@ -226,7 +269,8 @@ def train(recipe: Recipe) -> list[dict]:
         raise SystemExit(faults.report_collective(e)) from None
     finally:
         guard.close()
-        log.close()
+        loop.profiler.close()
+        loop.log.close()
     dist.barrier()
     dist.destroy_process_group()
-    return log.records
+    return loop.log.records

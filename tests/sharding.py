@@ -115,3 +115,36 @@ def check_layout(run_dir: Path, recipe) -> int:
                 local = entry["local_shape"][d]
                 assert local == size // k if size % k == 0 else local <= -(-size // k), (f.name, name, d, entry)
     return len(files)
+
+
+def _expected_comm(recipe, stage: int) -> dict[str, dict[str, int]]:
+    from dtensor3d.estimate import comm_bytes
+
+    est = comm_bytes(recipe, backend="gloo")[stage]
+    return {d: {k: v for k, v in kinds.items() if k != "total" and v} for d, kinds in est.items()}
+
+
+def check_comm(run_dir: Path, recipe) -> None:
+    """Every rank's bytes per collective kind and mesh dim in step 2 equal `plan`'s estimate
+    exactly (dims sharing one process group, "a+b", against the sum of the two). Expert
+    all-to-all bytes depend on the routing (the estimate assumes uniform): only checked to
+    happen."""
+    for f in sorted((run_dir / "layout").glob("rank*.json")):
+        rank = json.loads(f.read_text())
+        got, want = rank["comm_bytes"], _expected_comm(recipe, rank["coords"]["pp"])
+        assert got is not None, f"{f.name}: no step-2 collective count"
+        merged: dict[str, dict[str, int]] = {}
+        for dims in got:
+            for d in dims.split("+"):
+                for kind, n in want.pop(d, {}).items():
+                    merged.setdefault(dims, {}).setdefault(kind, 0)
+                    merged[dims][kind] += n
+        assert not any(want.values()), (f.name, "estimated but not measured", want)
+        if recipe.parallelism.ep > 1:
+            routed = [dims for dims in got if "ep" in dims.split("+")]
+            assert routed and all(got[d].pop("all_to_all", 0) > 0 for d in routed), (f.name, got)
+            for d in routed:
+                merged[d].pop("all_to_all", None)
+        got = {d: kinds for d, kinds in got.items() if kinds}
+        merged = {d: kinds for d, kinds in merged.items() if kinds}
+        assert got == merged, (f.name, rank["coords"], got, merged)

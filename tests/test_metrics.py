@@ -131,10 +131,9 @@ def test_resumed_training_continues_the_tensorboard_curve(tmp_path):
 
 def test_profile_steps_trace_holds_the_steps_matmuls_and_collectives(tmp_path):
     """tp=2 x dp=1 on 2 ranks, steps 2..3 of 4 profiled: each rank's Chrome trace holds two
-    train_step spans, matmuls and collectives (the loop: tests/dist_scripts/profile_steps.py)."""
-    script = str(ROOT / "tests" / "dist_scripts" / "profile_steps.py")
+    train_step spans, matmuls and collectives (through `train`, the real loop)."""
     overrides = ["training.steps=4", "model.num_hidden_layers=1", "parallelism.tp=2", "logging.profile_steps=[2, 3]"]
-    torchrun(2, [script, PARITY, f"logging.run_dir={tmp_path}", *overrides])
+    torchrun(2, ["-m", "dtensor3d", "train", PARITY, f"logging.run_dir={tmp_path}", *overrides])
     for rank in (0, 1):
         events = json.loads((tmp_path / "profile" / f"trace_rank{rank}.json").read_text())["traceEvents"]
         names = [e.get("name", "") for e in events]

@@ -4,7 +4,7 @@ grad_norm and the aux loss; tokens per expert equal."""
 
 import pytest
 from conftest import ROOT, train_metrics
-from sharding import check_layout
+from sharding import check_comm, check_layout
 
 from dtensor3d.recipe import load_recipe
 
@@ -42,6 +42,7 @@ def moe_reference(tmp_path_factory):
 def test_moe_parity(name, moe_reference, tmp_path, record_property):
     got = train_metrics(tmp_path, world(CONFIGS[name]), CONFIGS[name] + ["logging.layout=true"], MOE)
     check_layout(tmp_path, load_recipe(MOE, CONFIGS[name]))  # experts split over ep, and the rest
+    check_comm(tmp_path, load_recipe(MOE, CONFIGS[name]))  # bytes per collective per mesh dim
     assert len(got) == len(moe_reference) == 10
     worst = dict.fromkeys(("loss", "grad_norm", "aux_loss"), 0.0)
     for g, r in zip(got, moe_reference):

@@ -7,7 +7,7 @@ import math
 import pytest
 from conftest import PARITY, ROOT, train_metrics
 from lr_schedule import scheduled_lr
-from sharding import check_layout
+from sharding import check_comm, check_layout
 
 from dtensor3d.recipe import load_recipe
 
@@ -115,6 +115,8 @@ def test_parity(name, reference, tmp_path, record_property):
     got = train_metrics(tmp_path, world(overrides), overrides + ["logging.layout=true"])
     # Every rank holds every parameter as the plans promise (the parallelism is really on).
     check_layout(tmp_path, load_recipe(PARITY, overrides))
+    # ...and hands each collective the bytes the configuration implies (plan's estimate).
+    check_comm(tmp_path, load_recipe(PARITY, overrides))
     for key, rel in assert_parity(got, reference(overrides), scheduled_lrs(PARITY, overrides)).items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
     # The run learned something: the loss falls over the ten steps.

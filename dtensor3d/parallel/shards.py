@@ -56,11 +56,16 @@ def param_layout(model: torch.nn.Module) -> dict[str, dict]:
     return out
 
 
-def write_layout(model: torch.nn.Module, coords: dict[str, int], rank: int, run_dir: str) -> str:
-    """<run_dir>/layout/rank<R>.json: this rank's coordinates and `param_layout` (what
-    `logging.layout: true` asks for; the tests check it against each parallelism's plan)."""
+def write_layout(
+    model: torch.nn.Module, coords: dict[str, int], rank: int, run_dir: str, comm: dict | None = None
+) -> str:
+    """<run_dir>/layout/rank<R>.json: this rank's coordinates, `param_layout` and (once
+    counted) the bytes it handed to collectives in one step, {dim: {kind: bytes}}
+    (parallel/comm.py). What `logging.layout: true` asks for; the tests check it against
+    each parallelism's plan and against `plan`'s estimate."""
     path = os.path.join(run_dir, "layout", f"rank{rank}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    record = {"rank": rank, "coords": coords, "params": param_layout(model), "comm_bytes": comm}
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"rank": rank, "coords": coords, "params": param_layout(model)}, f, indent=1)
+        json.dump(record, f, indent=1)
     return path

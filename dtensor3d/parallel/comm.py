@@ -1,0 +1,114 @@
+"""Bytes each rank hands to collectives, per mesh dim and collective kind, counted on a real
+step (what `logging.layout: true` records for one step, and what `plan`'s estimate predicts).
+
+A TorchDispatchMode sees every collective the step issues: c10d ops (FSDP2, the cp gather,
+pipelining's sends, the replicate all-reduce, the step's stats all-reduce) and functional
+collectives (DTensor's redistributes under tp). It adds the bytes of the op's input: an
+all-gather counts the local piece, a reduce-scatter the whole input, an all-reduce the
+tensor, an all-to-all what the rank sends, send/recv the sent tensor (a recv counts nothing:
+its bytes are the peer's send). The group names the mesh dim: tp, pp, cp, ep; dp, dp_cp,
+ep_dp_cp (and HSDP's views) -> "dp"; the step's stats all-reduce on the default group ->
+"world". Dims that share one process group (e.g. cp and dp_cp at dp 1) are counted under
+their names joined by "+".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..mesh import AXES, mesh_axis, mesh_views
+
+KINDS = (
+    ("reduce_scatter", "reduce_scatter"),
+    ("allgather", "all_gather"),
+    ("all_gather", "all_gather"),
+    ("allreduce", "all_reduce"),
+    ("all_reduce", "all_reduce"),
+    ("alltoall", "all_to_all"),
+    ("all_to_all", "all_to_all"),
+    ("send", "send_recv"),
+    ("recv", "send_recv"),
+    ("broadcast", "broadcast"),
+)
+INPUTS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def group_dims(mesh) -> dict[str, str]:
+    """process group name -> the dim its bytes count under (dims sharing a group: "a+b")."""
+    names: dict[str, list[str]] = {}
+    for view, dim in [(a, a) for a in AXES] + [(v, "dp") for v in mesh_views(mesh) if v != "dp"]:
+        if mesh_axis(mesh, view).size() == 1:
+            continue
+        dims = names.setdefault(mesh_axis(mesh, view).get_group().group_name, [])
+        if dim not in dims:
+            dims.append(dim)
+    return {group: "+".join(sorted(dims)) for group, dims in names.items()}
+
+
+class CommCounter(TorchDispatchMode):
+    """bytes[dim][kind] handed to collectives while active (see the module docstring)."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.group_dims, self.force = group_dims(mesh), None
+        self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor desugar into collectives first
+        if func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
+            self._record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, func, args, kwargs) -> None:
+        name = func._schema.name.split("::")[1]
+        kind = next((k for frag, k in KINDS if frag in name), None)
+        if kind is None:
+            return  # wait_tensor, barrier, ...
+        values = dict(zip([a.name for a in func._schema.arguments], args)) | kwargs
+        group = values.get("process_group", values.get("group_name"))
+        if not isinstance(group, str):
+            group = (group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)).group_name
+        dim = self.force or self.group_dims.get(group, "world")
+        payload = next(values[n] for n in INPUTS if n in values)
+        sent = 0 if name.startswith("recv") else sum(t.numel() * t.element_size() for t in _tensors(payload))
+        self.bytes[dim][kind] += sent
+
+    def result(self) -> dict[str, dict[str, int]]:
+        return {d: dict(kinds) for d, kinds in self.bytes.items()}
+
+
+@contextlib.contextmanager
+def count_step(mesh):
+    """Count the collectives of the enclosed step; an all-reduce on the default group (the
+    step's stats) counts under "world" even where a mesh dim's group spans the world."""
+    counter, real = CommCounter(mesh), dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        counter.force = "world" if group is None else None
+        try:
+            return real(tensor, op=op, group=group, async_op=async_op)
+        finally:
+            counter.force = None
+
+    dist.all_reduce = all_reduce
+    try:
+        with counter:
+            yield counter
+    finally:
+        dist.all_reduce = real
