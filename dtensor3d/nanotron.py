@@ -178,9 +178,13 @@ KNOWN = set(DIRECT) | COMPUTED | set(REFUSED) | set(APPROXIMATED) | IGNORED
 
 
 def is_nanotron(raw: dict) -> bool:
-    """A nanotron config has a section no recipe has, or its model under `model_config`."""
+    """A nanotron config has its model under `model.model_config`, or at least two of the sections
+    no recipe has (`general`, `tokens`, ...). One stray section such as `tokenizer:` in a recipe
+    is not enough: it is reported as an unknown section of the recipe."""
     model = raw.get("model")
-    return any(s in raw for s in NANOTRON_SECTIONS) or (isinstance(model, dict) and "model_config" in model)
+    if isinstance(model, dict) and "model_config" in model:
+        return True
+    return sum(s in raw for s in NANOTRON_SECTIONS) >= 2
 
 
 def _schema(parts: list[str]) -> str:

@@ -521,8 +521,8 @@ def load_nanotron(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tup
     raw = _read_yaml(path)
     if not nanotron.is_nanotron(raw):
         raise _fail(
-            f"{path} is not a nanotron config (no {', '.join(nanotron.NANOTRON_SECTIONS)} section, "
-            "no model.model_config); it is a recipe already"
+            f"{path} is not a nanotron config (no model.model_config, and not two of the sections "
+            f"{', '.join(nanotron.NANOTRON_SECTIONS)}); it is a recipe already"
         )
     recipe, conv = _from_nanotron(raw, overrides)
     validate(recipe)
