@@ -92,6 +92,9 @@ def _validate(args) -> None:
         )
     check_machine(recipe, local_processes=world // args.nnodes)
     _check_checkpoints(recipe, hashes=True)
+    from .datasets.door import check_data_at_door
+
+    check_data_at_door(recipe, hashes=True)  # data.path: files, sizes, sha256, ids against vocab_size
     print(world // args.nnodes)
 
 
@@ -106,6 +109,9 @@ def _train(args) -> None:
     validate(recipe, world_size=world if world is not None else 1)
     check_machine(recipe, local_processes=_env_int("LOCAL_WORLD_SIZE") or 1)
     _check_checkpoints(recipe, hashes=False, lock=False)  # sha256: by the ranks; the lock: next
+    from .datasets.door import check_data_at_door
+
+    check_data_at_door(recipe, hashes=False)  # sha256: by validate (launch.sh)
     from .checkpoint import hold
     from .train import train
 
@@ -136,26 +142,26 @@ def _import_hf(args) -> None:
     print(f"wrote {import_hf(args.hf_dir, args.out)}")
 
 
-COMMANDS = {
-    "plan": _plan,
-    "validate": _validate,
-    "train": _train,
-    "export-hf": _export_hf,
-    "convert-nanotron": _convert_nanotron,
 def _prepare_data(args) -> None:
     from .datasets.cli import run_prepare
 
     run_prepare(args)
 
 
+COMMANDS = {
+    "plan": _plan,
+    "validate": _validate,
+    "train": _train,
+    "export-hf": _export_hf,
+    "convert-nanotron": _convert_nanotron,
     "import-hf": _import_hf,
+    "prepare-data": _prepare_data,
 }
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _parser()
     # Overrides may also follow the options (`plan R --json tp=2`): argparse leaves them over.
-    "prepare-data": _prepare_data,
     args, extra = parser.parse_known_args(argv)
     unknown = [a for a in extra if a.startswith("-")]
     if unknown:

@@ -7,6 +7,8 @@ them is data parallelism's business (parallel/data.py).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -43,11 +45,36 @@ class TokenFile:
 SYNTHETIC_VALIDATION_SEED = 1_000_000_007
 
 
+def data_seed(recipe) -> int:
+    """The seed of the sample order: data.seed, else training.seed."""
+    return recipe.training.seed if recipe.data.seed is None else recipe.data.seed
+
+
+def prepared_source(recipe, split: str):
+    """A prepared directory (datasets/tokens.py). "train": seeded windows, a fresh permutation
+    each epoch. "validation": the fixed windows of data.validation ("split": data.path's own
+    validation split; a directory: that prepared directory's validation split, or its
+    training split when it has no validation part), window j mod their count."""
+    from .tokens import TrainWindows, ValidationWindows, read_meta
+
+    d, length = recipe.data, recipe.training.sequence_length
+    if split == "train":
+        return TrainWindows(d.path, length, data_seed(recipe))
+    if d.validation is None:
+        raise DataError("data.validation is null: no validation windows; set training.eval_every: 0 or give one")
+    path = d.path if d.validation == "split" else d.validation
+    meta = read_meta(path)
+    part = "val" if d.validation == "split" or meta["splits"]["val"]["tokens"] > length else "train"
+    return ValidationWindows(path, part, length, meta)
+
+
 def make_source(recipe, split: str = "train"):
     """sample(index) -> int64 tensor of sequence_length + 1 tokens, of the "train" or the
     "validation" split."""
     t, d = recipe.training, recipe.data
     length = t.sequence_length + 1
+    if d.kind == "tokens" and os.path.isdir(d.path):
+        return prepared_source(recipe, split)
     if d.kind == "tokens":
         if split != "train":
             raise DataError(
@@ -55,5 +82,5 @@ def make_source(recipe, split: str = "train"):
             )
         tf = TokenFile(d.path)
         return lambda i: tf.sample(i, length)
-    seed = t.seed + (SYNTHETIC_VALIDATION_SEED if split == "validation" else 0)
+    seed = data_seed(recipe) + (SYNTHETIC_VALIDATION_SEED if split == "validation" else 0)
     return lambda i: synthetic_sample(seed, i, length, recipe.model.vocab_size)

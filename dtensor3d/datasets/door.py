@@ -1,0 +1,150 @@
+"""Data checks at the door: everything about data.path that can be seen before any process
+group starts, each a DataError naming the key or file, the value and what is valid.
+
+A prepared directory: meta.json readable, every shard and offsets file there with the size
+meta.json records (and, with `hashes`, the sha256 it records: validate / launch.sh), its
+vocabulary within model.vocab_size, at least one sample of training tokens, and the
+validation windows a run with eval_every > 0 reads. One token file: .npy of an integer
+dtype and one dimension, or .bin of uint16; at least one sample; every id in
+0..model.vocab_size-1 (a vectorised min/max over the memory map, in blocks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..errors import DataError
+from .shards import META, docs_name, read_meta, sha256_file
+
+BLOCK = 1 << 24  # tokens per block of the id range check
+
+
+def _check_ids(path: str, tokens: np.ndarray, vocab: int) -> None:
+    """Every id in 0..vocab-1 (no copy of the file beyond one block)."""
+    lo, hi = 0, -1
+    for start in range(0, len(tokens), BLOCK):
+        block = tokens[start : start + BLOCK]
+        lo, hi = min(lo, int(block.min())), max(hi, int(block.max()))
+    if lo < 0 or hi >= vocab:
+        raise DataError(
+            f"data.path {path!r} holds token ids in {lo}..{hi}, outside 0..{vocab - 1} (model.vocab_size={vocab}); "
+            f"use a model.vocab_size above {hi} or the tokenizer the model was built for"
+        )
+
+
+def _load_npy(path: str) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise DataError(f"data.path {path!r} is not a readable .npy array ({str(e).splitlines()[0]})") from None
+    if tokens.ndim != 1:
+        raise DataError(f"data.path {path!r} is a {tokens.ndim}-D array {tokens.shape}; a token file is 1-D")
+    if tokens.dtype.kind not in "iu":
+        raise DataError(
+            f"data.path {path!r} has dtype {tokens.dtype}; token ids need an integer dtype (int32, int64, uint16, ...)"
+        )
+    return tokens
+
+
+def _load_bin(path: str) -> np.ndarray:
+    size = os.path.getsize(path)
+    if size % 2:
+        raise DataError(f"data.path {path!r}: {size} bytes, an odd count; a .bin token file holds uint16 ids")
+    return np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+
+
+def check_token_file(path: str, sequence_length: int, vocab: int) -> None:
+    """One .npy / .bin token file (the single-file form of data.kind tokens)."""
+    if path.endswith(".npy"):
+        tokens = _load_npy(path)
+    elif path.endswith(".bin"):
+        tokens = _load_bin(path)
+    else:
+        raise DataError(
+            f"data.path {path!r} is neither a prepared directory nor a token file (.npy, .bin); for text, run "
+            f"python -m dtensor3d prepare-data {path} --out DIR --tokenizer byte and give data.path=DIR"
+        )
+    if len(tokens) < sequence_length + 1:
+        raise DataError(
+            f"data.path {path!r} holds {len(tokens)} tokens, fewer than one sample of training.sequence_length + 1 "
+            f"= {sequence_length + 1}"
+        )
+    _check_ids(path, tokens, vocab)
+
+
+def _check_files(path: str, meta: dict, split: str, hashes: bool) -> None:
+    entry, itemsize = meta["splits"][split], np.dtype(meta["dtype"]).itemsize
+    expected = [(s["file"], s["tokens"] * itemsize, s.get("sha256")) for s in entry["shards"]]
+    expected.append((entry.get("docs", docs_name(split)), (entry.get("documents", 0) + 1) * 8, None))
+    for name, size, digest in expected:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise DataError(f"data.path {path!r}: {name} is missing ({META} lists it); prepare the directory again")
+        if os.path.getsize(file) != size:
+            raise DataError(
+                f"{file}: {os.path.getsize(file)} bytes, but {META} records {size}; the file is truncated or "
+                "replaced, prepare the directory again"
+            )
+        if hashes and digest and sha256_file(file) != digest:
+            raise DataError(f"{file}: sha256 differs from {META}'s; the file is corrupt, prepare the directory again")
+
+
+def check_prepared_dir(path: str, recipe, hashes: bool) -> dict:
+    """A prepared directory against the recipe; returns its meta.json content."""
+    meta = read_meta(path)
+    vocab, length = recipe.model.vocab_size, recipe.training.sequence_length
+    if meta["vocab_size"] > vocab:
+        raise DataError(
+            f"data.path {path!r}: its tokenizer has {meta['vocab_size']} tokens, more than model.vocab_size={vocab}; "
+            f"set model.vocab_size to at least {meta['vocab_size']} (rounded up to a multiple of tp)"
+        )
+    for split in ("train", "val"):
+        _check_files(path, meta, split, hashes)
+    tokens = meta["splits"]["train"]["tokens"]
+    if tokens < length + 1:
+        raise DataError(
+            f"data.path {path!r} holds {tokens} training tokens, fewer than one sample of "
+            f"training.sequence_length + 1 = {length + 1}"
+        )
+    return meta
+
+
+def _check_validation(recipe, hashes: bool) -> None:
+    d, length = recipe.data, recipe.training.sequence_length
+    if d.validation is None:
+        raise DataError("data.validation is null but training.eval_every > 0; give 'split' or a prepared directory")
+    if d.validation != "split":
+        if not os.path.isdir(d.validation):
+            raise DataError(f"data.validation {d.validation!r}: no such directory; give 'split' or a prepared one")
+        meta = check_prepared_dir(d.validation, recipe, hashes)
+        if max(meta["splits"]["val"]["tokens"], meta["splits"]["train"]["tokens"]) >= length + 1:
+            return
+    elif read_meta(d.path)["splits"]["val"]["tokens"] >= length + 1:
+        return
+    where = d.path if d.validation == "split" else d.validation
+    raise DataError(
+        f"data.validation={d.validation!r}: {where!r} has fewer validation tokens than one sample of "
+        f"{length + 1}; prepare it with a larger --val-fraction or set training.eval_every: 0"
+    )
+
+
+def check_data_at_door(recipe, hashes: bool = False) -> None:
+    """data.path against the recipe (see the module docstring); nothing for synthetic data."""
+    d = recipe.data
+    if d.kind != "tokens":
+        return
+    if not os.path.exists(d.path):
+        raise DataError(f"data.path {d.path!r}: no such file or directory; give a prepared directory or a token file")
+    if os.path.isdir(d.path):
+        check_prepared_dir(d.path, recipe, hashes)
+        if recipe.training.eval_every > 0:
+            _check_validation(recipe, hashes)
+    else:
+        if recipe.training.eval_every > 0:
+            raise DataError(
+                f"data.path {d.path!r} is a single token file, which has no validation split; set "
+                "training.eval_every: 0 or prepare a directory with prepare-data"
+            )
+        check_token_file(d.path, recipe.training.sequence_length, recipe.model.vocab_size)
