@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu", default=None, help="estimate step time on this GPU: A100, H100, H200, B200")
     plan.add_argument("--peak-tflops", type=float, default=None, help="estimate step time at this peak TFLOP/s")
     plan.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (0.4)")
+    plan.add_argument("--simulate", action="store_true", help="build one rank's model on meta under a fake group")
+    plan.add_argument("--rank", type=int, default=None, help="the rank --simulate builds (0)")
     check = sub.add_parser("validate", help="check a recipe; print the processes per node")
     check.add_argument("--nnodes", type=int, default=1)
     for p in (train, plan, check):
@@ -50,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     from .datasets.cli import add_prepare_parser
 
     add_prepare_parser(sub)
+    from .generate import add_generate_parser
+
+    add_generate_parser(sub)
     return parser
 
 
@@ -79,6 +84,14 @@ def _plan(args) -> None:
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world)
     peak = peak_tflops(args.gpu, args.peak_tflops, args.mfu)
+    if args.rank is not None and not args.simulate:
+        raise RecipeError(f"plan: --rank {args.rank} is the rank --simulate builds; add --simulate")
+    if args.simulate:
+        from .simulate import check_rank, format_simulate
+
+        check_rank(recipe, args.rank or 0)  # before torch is imported
+        print(format_simulate(recipe, args.rank or 0, args.json, peak=peak, mfu=args.mfu))
+        return
     print(format_plan(recipe, args.json, peak=peak, mfu=args.mfu))
 
 
@@ -142,6 +155,12 @@ def _import_hf(args) -> None:
     print(f"wrote {import_hf(args.hf_dir, args.out)}")
 
 
+def _generate(args) -> None:
+    from .generate import run_generate
+
+    run_generate(args)
+
+
 def _prepare_data(args) -> None:
     from .datasets.cli import run_prepare
 
@@ -156,6 +175,7 @@ COMMANDS = {
     "convert-nanotron": _convert_nanotron,
     "import-hf": _import_hf,
     "prepare-data": _prepare_data,
+    "generate": _generate,
 }
 
 

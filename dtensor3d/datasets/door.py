@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from ..errors import DataError
-from .shards import META, docs_name, read_meta, sha256_file
+from .tokendir import META, docs_name, read_meta, sha256_file
 
 BLOCK = 1 << 24  # tokens per block of the id range check
 

@@ -1,11 +1,11 @@
-"""prepare-data: text files -> a prepared directory (datasets/shards.py describes it).
+"""prepare-data: text files -> a prepared directory (datasets/tokendir.py describes it).
 
     python -m dtensor3d prepare-data INPUT... --out DIR (--tokenizer PATH|byte | --train-tokenizer V)
 
 Steps: expand the inputs (inputs.py); build the tokenizer (tokenizer.py: trained on the
 training documents when asked); encode tasks in order, in this process or in `workers`
 spawned processes (encode.py), with at most 2 * workers tasks in flight, so the corpus is
-streamed, never held; append each task's tokens to its split's shards (shards.py); write
+streamed, never held; append each task's tokens to its split's shards (tokendir.py); write
 meta.json; rename the temporary directory into place. The output bytes depend only on the
 inputs and options, never on `workers` (tasks are cut by size and collected in order).
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ..errors import DataError
 from . import inputs, tokenizer
 from .encode import Chunk, Encoder, in_validation, init_worker, run_task, task_texts
-from .shards import META, SPLITS, TOKENIZER, ShardWriter, token_dtype
+from .tokendir import META, SPLITS, TOKENIZER, ShardWriter, token_dtype
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class PrepareOptions:
     exclude: tuple[str, ...] = ()
     shard_tokens: int = 1 << 28
     progress: bool = True
-    hf_dataset: str | None = None  # see hf.py
+    hf_dataset: str | None = None  # see hf_datasets.py
     split: str = "train"
 
 
@@ -159,7 +159,7 @@ def _publish(tmp: str, out: str) -> None:
 def _task_source(o: PrepareOptions):
     """(a function returning a fresh task iterator, the input list for meta, total bytes or None)."""
     if o.hf_dataset is not None:
-        from .hf import hf_tasks
+        from .hf_datasets import hf_tasks
 
         return (lambda: hf_tasks(o.hf_dataset, o.split, o.text_field)), [f"hf:{o.hf_dataset}:{o.split}"], None
     files = inputs.expand_inputs(list(o.inputs), list(o.exclude))

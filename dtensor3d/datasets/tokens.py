@@ -1,4 +1,4 @@
-"""Reading a prepared directory (shards.py): token streams, training windows in a seeded
+"""Reading a prepared directory (tokendir.py): token streams, training windows in a seeded
 order, and the fixed validation windows.
 
 Training (`TrainWindows`): the training stream of N tokens holds W = (N - 1) // L windows
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .shards import read_meta
+from .tokendir import read_meta
 
 MASK64 = (1 << 64) - 1
 

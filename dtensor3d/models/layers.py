@@ -51,6 +51,38 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+class KVCache:
+    """Keys and values of the tokens already seen, per attention layer, for generation
+    (datasets-free, single device; generate.py is its user).
+
+    Pass one KVCache to `LlamaForCausalLM.forward(ids, cache)`: each Attention appends its
+    new keys/values (`update`), and the model then advances `length` by the new tokens, so
+    the next call only runs the tokens after them."""
+
+    def __init__(self):
+        self.length = 0  # tokens cached so far (the position of the next token)
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [b, kv_h, new, d] to `layer`'s; return all of them [b, kv_h, length + new, d]."""
+        if id(layer) in self.layers:
+            old_k, old_v = self.layers[id(layer)]
+            k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        self.layers[id(layer)] = (k, v)
+        return k, v
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [b, h, new, d] for the last `new` positions of k, v: [b, kv_h, total, d]; query i
+    sees keys 0..total - new + i."""
+    new, total = q.shape[2], k.shape[2]
+    if new == total:
+        return causal_attention(q, k, v)
+    query_pos = torch.arange(total - new, total, device=q.device)
+    mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]  # [new, total]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class SequenceLayout:
     """Which tokens of each sequence this rank holds and how attention reaches the others.
 

@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import MLP, ModelHooks, RMSNorm, apply_rope, rope_tables
+from .layers import MLP, KVCache, ModelHooks, RMSNorm, apply_rope, cached_attention, rope_tables
 from .moe import MoE
 
 
@@ -38,15 +38,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """`cache` (generation, single device): x holds the tokens after cache.length; their
+        keys/values join the cache and they attend to every cached token."""
         q, k, v = (
             rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj)
         )
-        # The whole sequence here, or this rank's part of it under context parallelism.
-        positions = self.sequence.positions(q.shape[2], q.device)
+        if cache is None:  # the whole sequence here, or this rank's part of it under context parallelism
+            positions = self.sequence.positions(q.shape[2], q.device)
+        else:
+            positions = torch.arange(cache.length, cache.length + q.shape[2], device=q.device)
         cos, sin = rope_tables(self.head_dim, positions, self.rope_theta)
         q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
-        out = self.sequence.attention(q, k, v)  # [b, h, s, d]
+        if cache is None:
+            out = self.sequence.attention(q, k, v)  # [b, h, s, d]
+        else:
+            out = cached_attention(q, *cache.update(self, k, v))
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
@@ -67,17 +74,17 @@ class DecoderLayer(nn.Module):
     def feed_forward(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled() and cache is None:
             out = checkpoint(self._forward, x, use_reentrant=False)
         else:
-            out = self._forward(x)
+            out = self._forward(x, cache)
         if hasattr(self, "block_sparse_moe"):
             self.block_sparse_moe.record()
         return out
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def _forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache)
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
@@ -93,11 +100,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)  # [b, s] -> [b, s, hidden]
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h) if cache is None else layer(h, cache)
         if self.norm is not None:
             h = self.norm(h)
         return h
@@ -116,8 +123,14 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model(input_ids)
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """`cache`: generation's KV cache (models/layers.py); input_ids are then the tokens
+        after the cached ones, and the cache advances past them."""
+        if cache is None:
+            h = self.model(input_ids)
+        else:
+            h = self.model(input_ids, cache)
+            cache.length += input_ids.shape[1]
         return self.lm_head(h) if self.lm_head is not None else h  # [b, s, vocab]
 
     def keep_only(self, layers: range, first: bool, last: bool) -> LlamaForCausalLM:

@@ -1,0 +1,145 @@
+"""generate: sample text from a checkpoint in one process, with a KV cache.
+
+    python -m dtensor3d generate CKPT --prompt TEXT [--max-new-tokens N] [--temperature T]
+        [--top-k K] [--top-p P] [--seed S] [--tokenizer PATH]
+
+CKPT: a step directory, a checkpoint directory (its newest step) or a Hugging Face
+directory. The tokenizer: --tokenizer, else the tokenizer.json in the step directory, the
+checkpoint directory or the Hugging Face directory. The prompt runs once (prefill); each
+new token then runs alone against the cache. Text goes to stdout as it is produced;
+tokens/s to stderr. Temperature 0 is greedy (argmax). Generation stops at the tokenizer's
+end-of-document token or after N tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from .errors import DataError, RecipeError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a checkpoint (one process, KV cache)")
+    p.add_argument("ckpt", help="a step directory, a checkpoint directory (its newest) or a Hugging Face directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens of this mass")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="a tokenizer.json or a directory holding one (default: beside CKPT)")
+
+
+def find_tokenizer(ckpt: str, given: str | None) -> str:
+    """The tokenizer.json to use (see the module docstring)."""
+    from .datasets.tokenizer import tokenizer_file
+
+    if given:
+        return tokenizer_file(given)
+    folders = [ckpt, os.path.dirname(os.path.abspath(ckpt))]
+    if os.path.isfile(os.path.join(ckpt, "latest")):
+        with open(os.path.join(ckpt, "latest")) as f:
+            folders.insert(0, os.path.join(ckpt, f.read().strip()))
+    for folder in folders:
+        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            return os.path.join(folder, "tokenizer.json")
+    raise DataError(f"generate: no tokenizer.json in or beside {ckpt!r}; pass --tokenizer PATH")
+
+
+def check_args(args, max_positions: int, prompt_len: int) -> None:
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise RecipeError(
+            "generate: need --max-new-tokens >= 0, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1 (got "
+            f"{args.max_new_tokens}, {args.temperature}, {args.top_k}, {args.top_p})"
+        )
+    if prompt_len == 0:
+        raise RecipeError("generate: --prompt is empty after tokenizing; give some text")
+    if prompt_len + args.max_new_tokens > max_positions:
+        raise RecipeError(
+            f"generate: {prompt_len} prompt tokens + --max-new-tokens {args.max_new_tokens} exceed the model's "
+            f"max_position_embeddings={max_positions}"
+        )
+
+
+def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    """The next token from last-position logits [vocab]: argmax at temperature 0, else a
+    sample from softmax(logits / T) restricted to the top k and then to the top-p mass."""
+    import torch
+
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        mass = sorted_logits.softmax(-1).cumsum(-1)
+        drop = mass - sorted_logits.softmax(-1) >= top_p  # keep the tokens until the mass reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+
+
+def generate_ids(
+    model, prompt: list[int], max_new: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, eos=None
+) -> Iterator[int]:
+    """Yield up to `max_new` tokens after `prompt`, stopping after `eos`; one KV cache."""
+    import torch
+
+    from .models.layers import KVCache
+
+    cache, gen = KVCache(), torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt])
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits = model(ids, cache)[0, -1]
+        _drop_moe_records(model)
+        token = pick(logits, temperature, top_k, top_p, gen)
+        yield token
+        if token == eos:
+            return
+        ids = torch.tensor([[token]])
+
+
+def _drop_moe_records(model) -> None:
+    """MoE layers keep one statistics record per forward for the trainer; none is wanted here."""
+    for module in model.modules():
+        if hasattr(module, "take_records"):
+            module.take_records(0)
+
+
+def run_generate(args) -> None:
+    from tokenizers import Tokenizer
+
+    from .checkpoint import load_model
+    from .datasets.tokenizer import KNOWN_EOS
+
+    tok = Tokenizer.from_file(find_tokenizer(args.ckpt, args.tokenizer))
+    model = load_model(args.ckpt)
+    prompt = tok.encode(args.prompt, add_special_tokens=False).ids
+    check_args(args, model.cfg.max_position_embeddings, len(prompt))
+    eos = next((tok.token_to_id(t) for t in KNOWN_EOS if tok.token_to_id(t) is not None), None)
+    out, shown, start = [], "", time.perf_counter()
+    sys.stdout.write(args.prompt)
+    for token in generate_ids(
+        model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, eos
+    ):
+        out.append(token)
+        text = tok.decode(out, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next byte
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+    seconds = time.perf_counter() - start
+    sys.stdout.write(tok.decode(out, skip_special_tokens=True)[len(shown) :] + "\n")
+    print(
+        f"generated {len(out)} tokens in {seconds:.2f} s ({len(out) / max(seconds, 1e-9):.1f} tokens/s)",
+        file=sys.stderr,
+    )
