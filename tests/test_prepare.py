@@ -179,3 +179,35 @@ def test_bad_inputs_one_line_nothing_written(corpus, tmp_path):
         assert needle in lines[0], (needle, lines[0])
         assert not (tmp_path / "o").exists()
         assert not [p for p in os.listdir(tmp_path) if p.startswith(".o.tmp")]
+
+
+def test_hf_dataset_saved_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [f"row {i}: some text, ünïcode" for i in range(50)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": rows, "n": list(range(50))})}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    out = tmp_path / "out"
+    args = ["--hf-dataset", tmp_path / "dd", "--text-field", "body", "--tokenizer", "byte", "--val-fraction", "0.2"]
+    assert prepare("--out", out, *args) == 0
+    assert sorted(decoded_texts(out)) == sorted(rows)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["inputs"] == [f"hf:{tmp_path / 'dd'}:train"] and meta["splits"]["val"]["documents"] > 0
+    assert prepare("--out", tmp_path / "o2", *args, "--split", "test") == 2
+    assert prepare("--out", tmp_path / "o3", *args[:-4], "--text-field", "nope", "--tokenizer", "byte") == 2
+
+
+def test_tokenizer_files_for_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from dtensor3d.datasets.tokenizer import byte_tokenizer, write_hf_tokenizer
+
+    byte_tokenizer().save(str(tmp_path / "src.json"))
+    (tmp_path / "hf").mkdir()
+    assert write_hf_tokenizer(str(tmp_path / "src.json"), str(tmp_path / "hf"), 128) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def f(x):\n    return 'héllo'\n"
+    assert tok.encode(text, add_special_tokens=False) == list(text.encode())
+    assert tok.decode(list(text.encode())) == text and tok.eos_token_id == 256

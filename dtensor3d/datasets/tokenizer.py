@@ -132,3 +132,21 @@ def with_eos(tok, path: str | None = None) -> Eos:
 def vocab_size(tok) -> int:
     """Ids run 0..vocab_size-1 (added tokens included; a gap in the ids counts)."""
     return max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def write_hf_tokenizer(tokenizer_json: str, out: str, max_length: int | None = None) -> list[str]:
+    """Copy `tokenizer_json` into the directory `out` and write the tokenizer_config.json that
+    lets `transformers.AutoTokenizer.from_pretrained(out)` load it (a fast tokenizer; its
+    end-of-document token as eos_token). For export-hf and for checkpoints; returns the names."""
+    import shutil
+
+    tok = load_tokenizer(tokenizer_json)
+    eos = next((name for name in KNOWN_EOS if tok.token_to_id(name) is not None), None)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "clean_up_tokenization_spaces": False}
+    if max_length:
+        config["model_max_length"] = max_length
+    shutil.copyfile(tokenizer_file(tokenizer_json), os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+        f.write("\n")
+    return ["tokenizer.json", "tokenizer_config.json"]
