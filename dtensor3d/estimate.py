@@ -2,9 +2,10 @@
 hardware): parameters, gradients, optimizer state, activations and peak memory per
 pipeline stage; FLOPs; bytes handed to each collective per mesh dim; the pipeline bubble.
 
-Parameters are counted exactly: the model is built on the meta device and each parameter
-is cut the way the code cuts it -- tp by the plan in parallel/tensor.py (Colwise: a Linear's
-dim 0, an Embedding's dim 1; Rowwise: the other), experts on dim 0 over ep, then FSDP2's
+Parameters are counted exactly and without torch (plan runs before anything starts): each
+shape comes from dtensor3d/shapes.py (the model's table, checked against the meta model)
+and is cut the way the code cuts it -- tp by the plan in parallel/tensor.py (Colwise: a
+Linear's dim 0; Rowwise: a Linear's dim 1, the embedding's dim 0), experts on dim 0 over ep, then FSDP2's
 dim-0 chunk over its group (rank 0 holds ceil(d0 / n) rows, the largest chunk). Storage is
 the model's dtype (fp32; bf16 runs use autocast), so are gradients; AdamW keeps two moments
 per element and one fp32 `step` scalar per parameter tensor.
@@ -29,7 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .parallel.pipeline import stage_layers
+from .recipe import stage_layers
+from .shapes import flops_per_token, layer_of, param_shapes, tp_dim
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 COMM_DIMS = ("tp", "dp", "pp", "cp", "ep", "world")
@@ -39,74 +41,52 @@ FP32 = 4
 # -- parameters -------------------------------------------------------------------------
 
 
-def _tp_dim(plan: dict, module_path: str, is_embedding: bool) -> int | None:
-    """The dim tp splits a module's weight on, read from the plan's style (None: replicated)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    style = plan.get(module_path)
-    if isinstance(style, ColwiseParallel):
-        return 1 if is_embedding else 0
-    if isinstance(style, RowwiseParallel):
-        return 0 if is_embedding else 1
-    return None
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[2]) if name.startswith("model.layers.") else None
-
-
-def _unit_of(name: str) -> str:
-    """The FSDP unit a parameter belongs to: a layer's experts, a layer, or the root."""
-    layer = _layer_of(name)
-    if layer is None:
-        return "root"
-    return f"layer {layer} experts" if ".experts." in name else f"layer {layer}"
-
-
-def _local_shape(recipe, model, name: str, shape: list[int]) -> list[int]:
+def _local_shape(recipe, name: str, shape: tuple[int, ...]) -> list[int]:
     """The shape of this parameter's tp / ep piece (before FSDP)."""
-    from .parallel.tensor import tp_plan
-
     p = recipe.parallelism
     shape = list(shape)
-    module_path = name.rsplit(".", 1)[0]
-    if p.tp_enabled and name.endswith("weight"):
-        layer = _layer_of(name)
-        if layer is None:
-            plan, path = tp_plan(p.sequence_parallel)[0], module_path
-        else:
-            block = model.model.layers[str(layer)]
-            plan = tp_plan(p.sequence_parallel, hasattr(block, "block_sparse_moe"))[1]
-            path = module_path.split(".", 3)[3]
-        dim = _tp_dim(plan, path, module_path.endswith("embed_tokens"))
-        if dim is not None:
-            shape[dim] //= p.tp
+    dim = tp_dim(name)
+    if p.tp_enabled and dim is not None:
+        shape[dim] //= p.tp
     if p.ep_enabled and ".experts." in name:
         shape[0] //= p.ep
     return shape
 
 
-def stage_units(recipe) -> list[dict[str, dict]]:
-    """Per pipeline stage: {unit: {"group": FSDP group size, "shapes": [tp/ep-local shapes]}}.
-    Units are FSDP's: the root (embedding, final norm, head), each layer, each layer's experts."""
-    from .models import build_on_meta
+def _unit_of(name: str) -> str:
+    """The FSDP unit a parameter belongs to: a layer's experts, a layer, or the root."""
+    layer = layer_of(name)
+    if layer is None:
+        return "root"
+    return f"layer {layer} experts" if ".experts." in name else f"layer {layer}"
 
+
+def param_table(recipe) -> dict[str, dict]:
+    """name -> {"stage", "unit", "group", "shape"} for every parameter of the model: its
+    pipeline stage, its FSDP unit (the root: embedding, final norm, head; each layer; each
+    layer's experts), that unit's FSDP group size and the parameter's tp / ep-local shape."""
     p, m = recipe.parallelism, recipe.model
-    model = build_on_meta(m)
     layers = stage_layers(m.num_hidden_layers, p.pp, p.pp_layers)
-    stages: list[dict[str, dict]] = [{} for _ in range(p.pp)]
-    for name, param in model.named_parameters():
-        layer = _layer_of(name)
+    shard = (p.dp_shard if p.hsdp_enabled else p.dp) * p.cp  # hybrid: FSDP within dp_shard
+    out = {}
+    for name, shape in param_shapes(m).items():
+        layer = layer_of(name)
         if layer is not None:
             stage = next(i for i, r in enumerate(layers) if layer in r)
         else:
             stage = 0 if name.startswith("model.embed_tokens") else p.pp - 1
         unit = _unit_of(name)
-        shard = (p.dp_shard if p.hsdp_enabled else p.dp) * p.cp  # hybrid: FSDP within dp_shard
         group = shard if unit.endswith("experts") else p.ep * shard
-        entry = stages[stage].setdefault(unit, {"group": group, "shapes": []})
-        entry["shapes"].append(_local_shape(recipe, model, name, list(param.shape)))
+        out[name] = {"stage": stage, "unit": unit, "group": group, "shape": _local_shape(recipe, name, shape)}
+    return out
+
+
+def stage_units(recipe) -> list[dict[str, dict]]:
+    """Per pipeline stage: {unit: {"group": FSDP group size, "shapes": [tp/ep-local shapes]}}."""
+    stages: list[dict[str, dict]] = [{} for _ in range(recipe.parallelism.pp)]
+    for row in param_table(recipe).values():
+        entry = stages[row["stage"]].setdefault(row["unit"], {"group": row["group"], "shapes": []})
+        entry["shapes"].append(row["shape"])
     return stages
 
 
@@ -442,8 +422,6 @@ def stage_estimate(recipe, stage: int, units: dict[str, dict], layers: range) ->
 
 def flops_per_step(recipe) -> float:
     """Model FLOPs of one optimizer step (6N + attention per token; recomputation excluded)."""
-    from .metrics import flops_per_token
-
     t = recipe.training
     return flops_per_token(recipe.model, t.sequence_length) * t.global_batch_size * t.sequence_length
 

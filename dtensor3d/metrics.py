@@ -13,6 +13,8 @@ import time
 import torch
 import yaml
 
+from .shapes import flops_per_token  # noqa: F401  (torch-free, for plan; re-exported)
+
 # Dense bf16 peak FLOP/s by device name fragment (no sparsity).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
@@ -22,21 +24,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
-
-def flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * non-embedding params + attention (PaLM's estimate)."""
-    h, L = cfg.hidden_size, cfg.num_hidden_layers
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    ffn = 3 * h * cfg.intermediate_size
-    if cfg.num_local_experts:  # MoE layers: top-k experts, the router and any shared expert per token
-        moe = ffn * cfg.num_experts_per_tok + h * cfg.num_local_experts + 3 * h * cfg.shared_expert_intermediate_size
-        n_moe = L if cfg.moe_layers is None else len(cfg.moe_layers)
-        ffn_total = n_moe * moe + (L - n_moe) * ffn
-    else:
-        ffn_total = L * ffn
-    dense = L * (h * h * 2 + h * kv * 2) + ffn_total + h * cfg.vocab_size  # the head counts, the lookup not
-    return 6 * dense + 12 * L * h * seq_len
 
 
 def peak_memory_gib(device: torch.device) -> float:

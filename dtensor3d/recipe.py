@@ -45,6 +45,14 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+def stage_layers(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None = None) -> list[range]:
+    """The global decoder layer indices of each pipeline stage: `pp_layers` if given, else
+    balanced by count with earlier stages taking the remainder."""
+    counts = list(pp_layers) if pp_layers else [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
+    starts = [sum(counts[:i]) for i in range(pp)]
+    return [range(s, s + c) for s, c in zip(starts, counts)]
+
+
 @dataclass(frozen=True)
 class ParallelismConfig:
     dp: int = 1
