@@ -1,13 +1,14 @@
 """Checkpoints: safetensors and JSON only, written atomically, resumable at any mesh, and
 Hugging Face Llama / Mixtral import and export.
 
-    format.py   the bytes: safetensors headers, manifest + sha256, atomic writes, TensorFiles
+    format.py   the bytes: safetensors headers (written tensor by tensor), manifest + sha256, atomic writes
+    slices.py   which piece of each tensor a rank holds and writes; reading any region of a tensor
     store.py    the checkpoint directory: find the newest, check a step against a recipe, save, prune
     hf.py       Hugging Face config and names; export_hf, import_hf, load_model
     resume.py   how a run starts: check_at_door (before any process group), load_at_start
     lock.py     one run at a time per checkpoint directory
 
-Layering (no import circle): format <- store <- hf <- resume; lock needs only format's errors.
+Layering (no import circle): format <- slices <- store <- hf <- resume; lock needs only format's errors.
 """
 
 from .format import publish, read_header, seal, sha256_file, step_name

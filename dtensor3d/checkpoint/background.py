@@ -5,15 +5,17 @@ two additions.
   limit, a vanished directory) tells every rank, and all raise one CheckpointError naming
   checkpoint.dir, the step and the step a resume would take instead. The half-written
   `.tmp-step_...` directory is removed; nothing published is touched.
-- checkpoint.async (`async_save`): the full tensors are gathered and copied off the training
-  tensors in the step (a collective), then written, sealed and published by a background
-  thread while training goes on. At most one save is in flight: the next save, the end of
-  training and a preemption wait for it. A process killed mid-write leaves only a
-  `.tmp-step_...` directory without a manifest, which no resume takes.
+- checkpoint.async (`async_save`): each rank's own slices (store.gather_stage: no
+  collective, nothing gathered) are copied off the training tensors in the step, then
+  written, sealed and published by a background thread while training goes on. At most
+  one save is in flight: the next save, the end of training and a preemption wait for it.
+  A process killed mid-write leaves only a `.tmp-step_...` directory without a manifest,
+  which no resume takes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import threading
@@ -23,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from .format import publish, save_tensors, seal, step_name
-from .store import find_newest, gather_stage, prune, state_record
+from .format import publish, seal, step_name
+from .store import copy_tokenizer, find_newest, gather_stage, prune, state_record, write_slices
 
 
 class Saver:
@@ -38,27 +40,33 @@ class Saver:
         self.error: str | None = None  # this rank's failure in the save in flight
         self.writers_group = None
         self.pending_step: int | None = None
-        if self.background and state.recipe.parallelism.pp > 1:  # the stage writers agree off the main thread
+        if self.background and dist.get_world_size() > 1:  # the writers agree off the main thread
             self.writers_group = dist.new_group(writer_ranks(state), backend="gloo")
 
     def save(self, state) -> str:
         """Checkpoint `state.step` (collective). Returns the step directory it will be."""
         self.wait()
-        step, stage = state.step, state.coords["pp"]
+        step = state.step
         tmp, final = os.path.join(self.dir, f".tmp-{step_name(step)}"), os.path.join(self.dir, step_name(step))
-        self._agree(self._run(lambda: _fresh_dir(tmp) if self.rank == 0 else None), step)
-        params, moments = gather_stage(state)
+        self._agree(self._run(lambda: _fresh_dir(tmp, state.recipe) if self.rank == 0 else None), step)
+        slices = gather_stage(state)
         record = state_record(state) if self.rank == 0 else None
         if not self.background:
-            self._agree(self._run(lambda: _write_stage(tmp, stage, params, moments)), step)
+            self._agree(self._run(lambda: write_slices(tmp, slices)), step)
             publish_ = (lambda: self._publish(tmp, final, step, record)) if self.rank == 0 else None
             self._agree(self._run(publish_), step)
             return final
-        if params or moments or self.rank == 0:  # a writer: the rest happens in the background
-            job = (tmp, final, stage, step, _copied(params), _copied(moments), record)
-            self.pending_step = step
-            self.thread = threading.Thread(target=self._write, args=job, name="dtensor3d-save", daemon=True)
-            self.thread.start()
+        # Every rank may hold slices to write: the rest happens in the background on all.
+        job = (
+            tmp,
+            final,
+            step,
+            dataclasses.replace(slices, params=_copied(slices.params), moments=_copied(slices.moments)),
+            record,
+        )
+        self.pending_step = step
+        self.thread = threading.Thread(target=self._write, args=job, name="dtensor3d-save", daemon=True)
+        self.thread.start()
         return final
 
     def wait(self) -> None:
@@ -68,9 +76,9 @@ class Saver:
             self.thread = None
         self._agree(self.error, self.pending_step)
 
-    def _write(self, tmp, final, stage, step, params, moments, record) -> None:
-        """The background part of an async save, on each stage writer."""
-        error = self._run(lambda: _write_stage(tmp, stage, params, moments))
+    def _write(self, tmp, final, step, slices, record) -> None:
+        """The background part of an async save, on each rank."""
+        error = self._run(lambda: write_slices(tmp, slices))
         if self.writers_group is not None:
             error = error or _peer_failed(error, self.writers_group)
         if self.rank == 0 and error is None:
@@ -114,28 +122,19 @@ class Saver:
 
 
 def writer_ranks(state) -> list[int]:
-    """The rank that writes each pipeline stage (coordinate 0 on every other axis)."""
-    from ..mesh import rank_coords
-
-    coords = rank_coords(state.recipe.parallelism.dims)
-    return [r for r, c in enumerate(coords) if all(c[a] == 0 for a in ("ep", "dp", "cp", "tp"))]
+    """The ranks that may write a slice: all of them (each writes the distinct slices it holds)."""
+    return list(range(dist.get_world_size()))
 
 
-def _fresh_dir(path: str) -> None:
+def _fresh_dir(path: str, recipe) -> None:
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
+    copy_tokenizer(recipe, path)  # the data's tokenizer.json, listed in the manifest
 
 
 def _copied(tensors: dict) -> dict:
     """Own copies, so training may change the parameters while they are written."""
     return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-
-
-def _write_stage(tmp: str, stage: int, params: dict, moments: dict) -> None:
-    if params:
-        save_tensors(params, os.path.join(tmp, f"model-stage{stage:02d}.safetensors"))
-    if moments:
-        save_tensors(moments, os.path.join(tmp, f"optim-stage{stage:02d}.safetensors"))
 
 
 def _peer_failed(error: str | None, group) -> str | None:

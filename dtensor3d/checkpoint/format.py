@@ -8,9 +8,9 @@ only as safetensors or JSON: nothing is ever unpickled.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -18,12 +18,24 @@ import struct
 import sys
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 
-FORMAT, VERSION = "dtensor3d-checkpoint", 1
+FORMAT, VERSION = "dtensor3d-checkpoint", 2
+READS = (1, 2)  # format versions this code loads (1: whole tensors per stage; 2: slices)
+SLICES = "dtensor3d.slices"  # safetensors metadata key: JSON {key: {"name", "offset", "shape"}}
+DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 MANIFEST, STATE, POINTER = "manifest.json", "state.json", "latest"
 STEP_RE = re.compile(r"^step_(\d{8})$")
 
@@ -77,11 +89,43 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_tensors(tensors: dict, path: str) -> None:
-    """A safetensors file, fsynced, with the mode of any other new file (safetensors' own is 0600)."""
-    save_file(tensors, path, metadata={"format": "pt"})
+def save_tensors(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file written one tensor at a time, fsynced, with the mode of any other
+    new file. A value is a tensor, or a (dtype, shape, produce) triple whose produce() gives
+    the tensor when its turn comes (export: one full tensor in memory at a time). Unlike
+    safetensors' save_file, no second copy of the whole set is ever held."""
+    specs = {
+        k: (v.dtype, list(v.shape), lambda v=v: v) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()
+    }
+    header, offset = {}, 0
+    for key in sorted(specs):
+        dtype, shape, _ = specs[key]
+        n = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt", **(metadata or {})}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for key in sorted(specs):
+            dtype, shape, produce = specs[key]
+            t = produce().detach().to("cpu").contiguous()
+            if t.dtype != dtype or list(t.shape) != list(shape):
+                raise ValueError(f"{key}: produced {t.dtype} {list(t.shape)}, announced {dtype} {list(shape)}")
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
     os.chmod(path, 0o666 & ~_umask())
-    fsync(path)
+
+
+def read_slices_meta(path: str) -> dict[str, dict]:
+    """The slice places a dtensor3d writer put in a safetensors file's metadata ({} if none)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        meta = json.loads(f.read(n)).get("__metadata__") or {}
+    return json.loads(meta[SLICES]) if SLICES in meta else {}
 
 
 def read_header(path: str) -> dict[str, dict]:
@@ -107,27 +151,6 @@ def read_header(path: str) -> dict[str, dict]:
     if 8 + n + end > size:
         raise CheckpointError(f"{path} is truncated: its header describes {8 + n + end} bytes, the file has {size}")
     return {k: dict(table[k], shape=shapes[k]) for k in table}
-
-
-class TensorFiles:
-    """Full tensors by name from safetensors files under `root`; each file opened once, lazily."""
-
-    def __init__(self, root: str, index: dict[str, str]):
-        self.root, self.index, self.handles = root, index, {}
-        self.stack = contextlib.ExitStack()
-
-    def __enter__(self) -> TensorFiles:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stack.close()
-
-    def get(self, name: str) -> torch.Tensor:
-        file = self.index[name]
-        if file not in self.handles:
-            path = os.path.join(self.root, file)
-            self.handles[file] = self.stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-        return self.handles[file].get_tensor(name)
 
 
 def check_tensors(root: str, index: dict[str, str], expected: dict[str, list[int]], whose: str = "the model") -> None:
@@ -207,13 +230,30 @@ def check_files(step_dir: str, files: dict, hashes: bool) -> None:
             raise CheckpointError(corrupt(path))
 
 
+def slice_index(step_tmp: str, file: str) -> dict[str, dict]:
+    """name -> {"shape", "slices"} of one file: the places its writer recorded, or (a file of
+    whole tensors, e.g. import-hf's) each tensor whole at offset 0."""
+    table, places = read_header(os.path.join(step_tmp, file)), read_slices_meta(os.path.join(step_tmp, file))
+    out: dict[str, dict] = {}
+    for key in sorted(table):
+        shape = list(table[key]["shape"])
+        place = places.get(key, {"name": key, "offset": [0] * len(shape), "shape": shape})
+        entry = out.setdefault(place["name"], {"shape": list(place["shape"]), "slices": []})
+        entry["slices"].append({"file": file, "key": key, "offset": list(place["offset"]), "shape": shape})
+    return out
+
+
 def seal(step_tmp: str, record: dict) -> None:
-    """Finish a step directory: state.json (with the tensor -> file index), then the manifest."""
+    """Finish a step directory: state.json (with the slice index of every tensor), then the manifest."""
     index: dict[str, dict] = {"model": {}, "optim": {}}
     for file in sorted(os.listdir(step_tmp)):
         if file.endswith(".safetensors"):
-            kind = "optim" if file.startswith("optim-") else "model"
-            index[kind].update({name: file for name in read_header(os.path.join(step_tmp, file))})
+            kind = index["optim" if file.startswith("optim-") else "model"]
+            for name, entry in slice_index(step_tmp, file).items():
+                kind.setdefault(name, {"shape": entry["shape"], "slices": []})["slices"].extend(entry["slices"])
+    for kind in index.values():
+        for entry in kind.values():
+            entry["slices"].sort(key=lambda s: s["offset"])
     record = {"format": FORMAT, "version": VERSION, **record, "tensors": index}
     write_atomic(os.path.join(step_tmp, STATE), json.dumps(record, indent=1))
     files = {

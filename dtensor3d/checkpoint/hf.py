@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -20,11 +21,9 @@ import torch
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta, materialize
 from ..models.llama import LlamaForCausalLM
-from ..parallel.shards import copy_full_
 from ..recipe import ModelConfig, Recipe, recipe_from_dict
 from .format import (
     STATE,
-    TensorFiles,
     check_tensors,
     publish,
     read_header,
@@ -34,6 +33,7 @@ from .format import (
     step_name,
     write_atomic,
 )
+from .slices import SliceReader, full_index, read_into_
 from .store import check_checkpoint, expected_shapes, model_config, resolve
 
 HF_SINGLE, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -80,15 +80,55 @@ def to_hf(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"{m[1]}.{e}.{m[2]}.weight": w.T.contiguous() for e, w in enumerate(full.unbind(0))}
 
 
-class HFTensorFiles(TensorFiles):
-    """Our tensors by our names from a Hugging Face directory (Mixtral experts stacked)."""
+def to_hf_lazy(name: str, source: SliceReader) -> dict[str, tuple]:
+    """Like `to_hf`, as (dtype, shape, produce) entries for `save_tensors`: each tensor (each
+    expert of a stacked one) is read when it is written, so an export holds one at a time."""
+    m, shape, dtype = EXPERTS_RE.match(name), source.shape(name), source.dtype(name)
+    if not m:
+        return {name: (dtype, shape, lambda: source.get(name))}
+    _, d_in, d_out = shape
 
-    def get(self, name: str) -> torch.Tensor:
+    def expert(e: int) -> torch.Tensor:
+        return source.read(name, [e, 0, 0], [1, d_in, d_out])[0].T
+
+    return {f"{m[1]}.{e}.{m[2]}.weight": (dtype, [d_out, d_in], lambda e=e: expert(e)) for e in range(shape[0])}
+
+
+class HFSlices(SliceReader):
+    """Our tensors by our names from a Hugging Face directory (Mixtral's experts stacked),
+    any region of them read with get_slice."""
+
+    def __init__(self, root: str, weight_map: dict[str, str]):
+        super().__init__(root, full_index(root, weight_map))
+
+    def _expert_keys(self, name: str) -> list[str] | None:
         m = EXPERTS_RE.match(name)
         if not m:
-            return super().get(name)
+            return None
         count = sum(1 for n in self.index if n.startswith(m[1] + ".") and n.endswith(f".{m[2]}.weight"))
-        return torch.stack([TensorFiles.get(self, f"{m[1]}.{e}.{m[2]}.weight").T for e in range(count)])
+        return [f"{m[1]}.{e}.{m[2]}.weight" for e in range(count)]
+
+    def shape(self, name: str) -> list[int]:
+        keys = self._expert_keys(name)
+        if keys is None:
+            return super().shape(name)
+        d_out, d_in = super().shape(keys[0])
+        return [len(keys), d_in, d_out]
+
+    def dtype(self, name: str) -> torch.dtype:
+        keys = self._expert_keys(name)
+        return super().dtype(keys[0] if keys else name)
+
+    def read(self, name: str, start=None, size=None) -> torch.Tensor:
+        keys = self._expert_keys(name)
+        if keys is None:
+            return super().read(name, start, size)
+        start, size = list(start or [0, 0, 0]), list(size or self.shape(name))
+        pieces = [
+            super(HFSlices, self).read(keys[e], [start[2], start[1]], [size[2], size[1]]).T
+            for e in range(start[0], start[0] + size[0])
+        ]
+        return torch.stack(pieces)
 
 
 # ---------------------------------------------------------------- config.json
@@ -242,24 +282,21 @@ def check_hf_init(recipe) -> dict[str, str]:
     return hf_index(hf_dir, recipe.model)
 
 
-def load_params(model: torch.nn.Module, files: TensorFiles) -> None:
-    """Every parameter of `model` from its full tensor in `files`; this rank keeps its slice."""
+def load_params(model: torch.nn.Module, files: SliceReader) -> None:
+    """Every parameter of `model` from `files`: this rank reads only the regions its piece covers."""
     for name, p in model.named_parameters():
-        full = files.get(name)
-        if list(full.shape) != list(p.shape):
-            raise CheckpointError(f"{name}: the file holds shape {list(full.shape)}, the model needs {list(p.shape)}")
-        copy_full_(p, full)
+        read_into_(p, name, files)
 
 
-def model_source(path: str, what: str) -> tuple[ModelConfig, TensorFiles]:
+def model_source(path: str, what: str) -> tuple[ModelConfig, SliceReader]:
     """(config, its tensors by our names) of a Hugging Face directory or a dtensor3d
     checkpoint (step directory, or checkpoint directory meaning its newest); fully checked."""
     if os.path.isfile(os.path.join(path, "config.json")):
         cfg = read_hf_config(path, what)
-        return cfg, HFTensorFiles(path, hf_index(path, cfg))
+        return cfg, HFSlices(path, hf_index(path, cfg))
     step_dir = resolve(path, what)
     record = check_checkpoint(step_dir, None, hashes=True)
-    return model_config(record, os.path.join(step_dir, STATE)), TensorFiles(step_dir, record["tensors"]["model"])
+    return model_config(record, os.path.join(step_dir, STATE)), SliceReader(step_dir, record["tensors"]["model"])
 
 
 def load_model(path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
@@ -307,14 +344,12 @@ def _writing(out: str, tmp: str):
         ) from None
 
 
-def _shard_names(root: str, index: dict[str, str], max_bytes: int) -> list[list[str]]:
+def _shard_names(source: SliceReader, max_bytes: int) -> list[list[str]]:
     """Tensor names in groups of at most max_bytes (one tensor per group at least)."""
-    headers = {f: read_header(os.path.join(root, f)) for f in set(index.values())}
     shards: list[list[str]] = [[]]
     size = 0
-    for name in index:
-        offsets = headers[index[name]][name]["data_offsets"]
-        n = offsets[1] - offsets[0]
+    for name in source.index:
+        n = math.prod(source.shape(name)) * source.dtype(name).itemsize
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
@@ -323,8 +358,9 @@ def _shard_names(root: str, index: dict[str, str], max_bytes: int) -> list[list[
     return shards
 
 
-def _write_hf(source: TensorFiles, tmp: str, shards: list[list[str]]) -> list[str]:
-    """The safetensors files (and the index when there are several) of an export."""
+def _write_hf(source: SliceReader, tmp: str, shards: list[list[str]]) -> list[str]:
+    """The safetensors files (and the index when there are several) of an export, written
+    tensor by tensor: one full tensor in memory at a time."""
     files = (
         [HF_SINGLE]
         if len(shards) == 1
@@ -333,7 +369,7 @@ def _write_hf(source: TensorFiles, tmp: str, shards: list[list[str]]) -> list[st
     weight_map = {}
     with source:
         for file, names in zip(files, shards):
-            tensors = {k: v for n in names for k, v in to_hf(n, source.get(n)).items()}
+            tensors = {k: v for n in names for k, v in to_hf_lazy(n, source).items()}
             save_tensors(tensors, os.path.join(tmp, file))
             weight_map.update(dict.fromkeys(tensors, file))
     if len(files) > 1:
@@ -354,12 +390,24 @@ def export_hf(ckpt: str, out: str, max_shard_bytes: float = 5_000_000_000) -> li
     with _writing(out, tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        files = _write_hf(source, tmp, _shard_names(source.root, source.index, int(max_shard_bytes)))
+        files = _write_hf(source, tmp, _shard_names(source, int(max_shard_bytes)))
         write_atomic(os.path.join(tmp, "config.json"), json.dumps(config, indent=1))
+        files += _export_tokenizer(source, tmp, cfg)
         if os.path.isdir(out):
             os.rmdir(out)
         os.rename(tmp, out)
     return files
+
+
+def _export_tokenizer(source, out: str, cfg: ModelConfig) -> list[str]:
+    """A dtensor3d checkpoint's tokenizer.json (training copies its data's) as tokenizer.json
+    and tokenizer_config.json in `out`, for transformers.AutoTokenizer; none: nothing."""
+    path = os.path.join(source.root, "tokenizer.json")
+    if isinstance(source, HFSlices) or not os.path.isfile(path):
+        return []
+    from ..datasets.tokenizer import write_hf_tokenizer
+
+    return write_hf_tokenizer(path, out, max_length=cfg.max_position_embeddings)
 
 
 def import_hf(hf_dir: str, out: str) -> str:
@@ -373,8 +421,8 @@ def import_hf(hf_dir: str, out: str) -> str:
     created = not os.path.exists(out)
     with _writing(out, out if created else tmp):
         os.makedirs(tmp)
-        with HFTensorFiles(hf_dir, index) as source:
-            tensors = {n: source.get(n).contiguous() for n in expected_shapes(cfg)}
-            save_tensors(tensors, os.path.join(tmp, "model-stage00.safetensors"))
+        source = HFSlices(hf_dir, index)
+        tensors = {n: (source.dtype(n), source.shape(n), lambda n=n: source.get(n)) for n in expected_shapes(cfg)}
+        save_tensors(tensors, os.path.join(tmp, "model-stage00.safetensors"))
         seal(tmp, {"step": 0, "source": os.path.abspath(hf_dir), "recipe": Recipe(model=cfg).to_dict()})
         return publish(out, tmp, name)

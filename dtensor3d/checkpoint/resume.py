@@ -1,9 +1,10 @@
 """How a run starts from disk: the checks at the door (before any process group) and the
 load in setup (resume from a step directory, or Hugging Face init).
 
-Loading reads the full tensors this rank's stage needs and keeps its slice
-(`parallel.shards.copy_full_`, the path of the topology-independent init), so a
-checkpoint resumes at any mesh. The ranks split the sha256 checks between them.
+Loading reads, for each tensor, only the regions of the full tensor this rank's piece covers
+(slices.read_into_: safetensors get_slice on the saved slices that intersect them), so a
+checkpoint resumes at any mesh and no rank holds more than its own shards plus one region.
+The ranks split the sha256 checks between them.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, UserError
-from ..parallel.shards import copy_full_
-from .format import STATE, TensorFiles, corrupt, read_manifest, sha256_file
-from .hf import HFTensorFiles, check_hf_init, load_params
+from .format import STATE, corrupt, read_manifest, sha256_file
+from .hf import HFSlices, check_hf_init, load_params
 from .lock import check_lock
+from .slices import SliceReader, read_into_
 from .store import check_checkpoint, check_trajectory, resume_target
 
 
@@ -63,8 +64,8 @@ def check_at_door(recipe, hashes: bool, lock: bool = True) -> None:
         check_hf_init(recipe)
 
 
-def load_optimizer(optimizer, model: torch.nn.Module, files: TensorFiles) -> None:
-    """Rebuild the optimizer state of this rank's parameters from full tensors."""
+def load_optimizer(optimizer, model: torch.nn.Module, files: SliceReader) -> None:
+    """Rebuild the optimizer state of this rank's parameters, reading only its pieces."""
     keys: dict[str, list[str]] = {}
     for entry in files.index:
         param, _, key = entry.rpartition(".")
@@ -72,12 +73,11 @@ def load_optimizer(optimizer, model: torch.nn.Module, files: TensorFiles) -> Non
     for name, p in model.named_parameters():
         entry = {}
         for key in sorted(keys.get(name, [])):
-            full = files.get(f"{name}.{key}")
-            if full.ndim == 0:  # AdamW's step counter, kept on the CPU as AdamW keeps it
-                entry[key] = full.clone()
+            if not files.shape(f"{name}.{key}"):  # AdamW's step counter, kept on the CPU as AdamW keeps it
+                entry[key] = files.read(f"{name}.{key}")
             else:
                 entry[key] = torch.zeros_like(p)
-                copy_full_(entry[key], full)
+                read_into_(entry[key], f"{name}.{key}", files)
         if entry:
             optimizer.state[p] = entry
 
@@ -100,10 +100,8 @@ def resume(state, step_dir: str) -> None:
         check_trajectory(record, state.recipe, os.path.join(step_dir, STATE))
     verify_hashes(step_dir, read_manifest(step_dir)["files"])
     index = record["tensors"]
-    with TensorFiles(step_dir, index["model"]) as files:
-        load_params(state.model, files)
-    with TensorFiles(step_dir, index.get("optim") or {}) as files:
-        load_optimizer(state.optimizer, state.model, files)
+    load_params(state.model, SliceReader(step_dir, index["model"]))
+    load_optimizer(state.optimizer, state.model, SliceReader(step_dir, index["optim"]))
     state.step = int(record["step"])
     rng = record.get("rng") or {}
     if "cpu" in rng:
@@ -122,8 +120,7 @@ def load_at_start(state) -> None:
             what = f"resumed from {step_dir} at step {state.step}"
         elif recipe.checkpoint.init_from_hf:
             hf_dir = recipe.checkpoint.init_from_hf
-            with HFTensorFiles(hf_dir, check_hf_init(recipe)) as files:
-                load_params(state.model, files)
+            load_params(state.model, HFSlices(hf_dir, check_hf_init(recipe)))
             what = f"initialised from Hugging Face weights {hf_dir}"
         else:
             return
