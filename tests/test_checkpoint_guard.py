@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from pathlib import Path
 import pytest
 from conftest import PARITY, ROOT
 
+from dtensor3d.__main__ import main
 from dtensor3d.checkpoint.store import check_trajectory
 from dtensor3d.errors import CheckpointError
 from dtensor3d.recipe import load_recipe
@@ -237,6 +239,22 @@ def test_one_run_per_checkpoint_dir(ckpt, tmp_path):
     assert len(warnings) == 1 and f"pid {holder.pid}" in warnings[0] and "no longer running" in warnings[0]
     assert "resumed from" in proc.stdout and "step_00000003" in os.listdir(ckpt)
     assert not (ckpt / "LOCK").exists()
+
+
+def test_lock_of_another_host_is_never_taken_over(tmp_path):
+    """A LOCK naming another host is refused whatever its pid (its liveness cannot be seen
+    from here); the error names the file to delete, which stays."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    holder = {"host": socket.gethostname() + "-elsewhere", "pid": int(dead.stdout), "since": "2025-01-01T00:00:00"}
+    (ckpt / "LOCK").write_text(json.dumps(holder))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["validate", PARITY, f"checkpoint.dir={ckpt}"])  # the door of validate, train and launch.sh
+    line = one_error_line(subprocess.CompletedProcess([], rc, "", err.getvalue()))
+    assert "in use by another run" in line and holder["host"] in line and f"delete {ckpt / 'LOCK'}" in line, line
+    assert json.loads((ckpt / "LOCK").read_text()) == holder
 
 
 # ---------------------------------------------------------------- a broken newest checkpoint
