@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from . import checkpoint, faults
-from .datasets.sources import make_source
+from .datasets.sources import epoch_note, make_source
 from .evaluate import eval_due, validation_loss
 from .mesh import build_mesh, init_distributed, mesh_coords
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
@@ -231,6 +231,8 @@ def run_step(state: TrainState, loop: Loop) -> dict:
     """One step of the loop: the train step (under the guard and any probes), the
     validation loss when due, and the log line when due. Returns the step's metrics."""
     recipe, start = state.recipe, time.perf_counter()
+    if dist.get_rank() == 0 and (note := epoch_note(loop.source, recipe, state.step)):
+        print(note, flush=True)  # the sample order enters a new epoch in this step
     with loop.guard.step(state), loop.profiler.step(state.step + 1), layout_probe(state) as comm:
         metrics = train_step(state, rank_batch(state, loop.source, state.step))
     if comm is not None:  # logging.layout: the layout again, with step 2's collective bytes

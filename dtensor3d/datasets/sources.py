@@ -84,3 +84,20 @@ def make_source(recipe, split: str = "train"):
         return lambda i: tf.sample(i, length)
     seed = data_seed(recipe) + (SYNTHETIC_VALIDATION_SEED if split == "validation" else 0)
     return lambda i: synthetic_sample(seed, i, length, recipe.model.vocab_size)
+
+
+def epoch_note(source, recipe, step: int) -> str | None:
+    """The line announcing each epoch of the sample order (beyond the first) whose first
+    sample is in global batch `step`; None when there is none, or the source has no epochs
+    (only a prepared directory's TrainWindows do). Rank 0 prints it."""
+    windows = getattr(source, "windows", None)
+    if windows is None:
+        return None
+    size = recipe.training.global_batch_size
+    first, last = step * size, (step + 1) * size - 1
+    lines = [
+        f"data: epoch {e} begins at sample {e * windows} (step {step + 1}): a fresh permutation of the {windows} "
+        f"training windows (data.seed {data_seed(recipe)})"
+        for e in range(max(1, -(-first // windows)), last // windows + 1)
+    ]
+    return "\n".join(lines) or None
