@@ -53,6 +53,9 @@ def stage_layers(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None = N
     return [range(s, s + c) for s, c in zip(starts, counts)]
 
 
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V (rank r: stages r and 2*pp-1-r)
+
+
 @dataclass(frozen=True)
 class ParallelismConfig:
     dp: int = 1
@@ -67,6 +70,12 @@ class ParallelismConfig:
     recompute_layer: bool = False
     dp_mode: str = "shard"
     dp_shard: int = 0  # dp_mode hybrid: dp ranks per FSDP group (replicated over dp / dp_shard); 0: unset
+    pp_virtual_stages: int = 0  # stages per rank; 0: the schedule's own (2: interleaved_1f1b, zbv, dualpipev)
+    recompute: str | None = None  # none | full | selective; None: recompute_layer's (true: full)
+
+    def __post_init__(self):
+        if self.recompute is None:  # nanotron's recompute_layer: true keeps meaning full
+            object.__setattr__(self, "recompute", "full" if self.recompute_layer else "none")
 
     @property
     def dims(self) -> dict[str, int]:
@@ -144,9 +153,19 @@ class ParallelismConfig:
         return self.tp_enabled
 
     @property
-    def recompute(self) -> str:
-        """Activation checkpointing of each decoder layer: "full" or "none"."""
-        return "full" if self.recompute_layer else "none"
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank holds: 2 for the V schedules (zbv, dualpipev), pp_virtual_stages
+        (default 2) for interleaved_1f1b, 1 otherwise."""
+        if self.pp_engine in V_SCHEDULES:
+            return 2
+        if self.pp_engine == "interleaved_1f1b":
+            return self.pp_virtual_stages or 2
+        return 1
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: pp ranks x stages_per_rank."""
+        return self.pp * self.stages_per_rank
 
     @property
     def sequence_divisor(self) -> int:
@@ -170,6 +189,7 @@ class TrainingConfig:
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop (one error line) | skip the update
     max_skipped_steps: int = 10  # on_nonfinite=skip: stop after this many consecutive skipped steps
     timeout_s: float = 600.0  # a collective that does not complete in this time ends the run
+    compile: bool = False  # torch.compile each decoder block (in place; parameter names unchanged)
 
 
 @dataclass(frozen=True)
@@ -259,7 +279,8 @@ ALIASES = {
     ("checkpoint", "async"): "async_save",  # `async` is a Python keyword
 }
 ENUMS = {
-    ("parallelism", "pp_engine"): ("1f1b", "afab"),
+    ("parallelism", "pp_engine"): ("1f1b", "afab", "interleaved_1f1b", "zbv", "dualpipev"),
+    ("parallelism", "recompute"): ("none", "full", "selective"),
     ("parallelism", "tp_mode"): ("ALL_REDUCE", "REDUCE_SCATTER"),
     ("parallelism", "dp_mode"): ("shard", "replicate", "hybrid"),
     ("training", "dtype"): ("float32", "bfloat16"),
@@ -379,7 +400,7 @@ def _build_section(name: str, raw: Any) -> Any:
             raise _fail(f"{name}.{key}: unknown key; {_suggest(key, valid)}")
         where = f"{name}.{key}"
         value = _coerce(where, value, types[canon])
-        if (name, canon) in ENUMS:
+        if (name, canon) in ENUMS and value is not None:
             choices = ENUMS[(name, canon)]
             match = [c for c in choices if c.lower() == value.lower()]
             if not match:
@@ -558,6 +579,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_model(m, p)
     _validate_stages(m, p)
     _validate_batch(recipe)
+    _validate_schedule(recipe)
     _validate_optimizer(o)
     _validate_rest(recipe)
 
@@ -677,6 +699,50 @@ def _validate_batch(recipe: Recipe) -> None:
             f"training.sequence_length={t.sequence_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}"
         )
+
+
+def _validate_schedule(recipe: Recipe) -> None:
+    """Stages per rank, layers per stage and microbatch counts the pipeline schedule can take;
+    recompute against nanotron's recompute_layer."""
+    m, p, n = recipe.model, recipe.parallelism, recipe.num_microbatches
+    if p.recompute_layer and p.recompute != "full":
+        raise _fail(f"parallelism.recompute={p.recompute} conflicts with recompute_layer=true (which means full)")
+    v = p.pp_virtual_stages
+    if p.pp_engine == "interleaved_1f1b":
+        ok, valid_v = v == 0 or v >= 2, "0 (default 2) or 2 and more"
+    elif p.pp_engine in V_SCHEDULES:
+        ok, valid_v = v in (0, 2), "0 or 2 (a V of two stages per rank)"
+    else:
+        ok, valid_v = v in (0, 1), "0 or 1 (one stage per rank)"
+    if not ok:
+        raise _fail(f"parallelism.pp_virtual_stages={v} does not fit pp_engine {p.pp_engine}; valid: {valid_v}")
+    if not p.pp_enabled or p.stages_per_rank == 1:
+        return
+    stages = p.pp_stages
+    if p.pp_layers is not None:
+        raise _fail(f"parallelism.pp_layers applies to one stage per rank; pp_engine {p.pp_engine} balances layers")
+    if m.num_hidden_layers % stages:
+        valid = [k for k in range(2, m.num_hidden_layers + 1) if m.num_hidden_layers % (p.pp * k) == 0]
+        raise _fail(
+            f"model.num_hidden_layers={m.num_hidden_layers} is not divisible into pp*stages_per_rank = "
+            f"{p.pp}*{p.stages_per_rank} = {stages} stages under pp_engine {p.pp_engine}; valid stages per rank: "
+            f"{', '.join(map(str, valid)) or 'none (use pp_engine 1f1b)'}"
+        )
+    if not _micro_ok(p, n):
+        valid = [k for k in range(1, 8 * p.pp_stages + 1) if _micro_ok(p, k)][:6]
+        raise _fail(
+            f"training.global_batch_size={recipe.training.global_batch_size} gives {n} microbatches per rank, "
+            f"which pp_engine {p.pp_engine} at pp={p.pp} cannot take; valid microbatch counts: "
+            f"{', '.join(map(str, valid))}, ... (global_batch_size = count * micro_batch_size * dp * ep)"
+        )
+
+
+def _micro_ok(p: ParallelismConfig, n: int) -> bool:
+    """Microbatch counts the multi-stage schedules take: at least pp (dualpipev: every stage),
+    and for interleaved_1f1b a multiple of its rounds (n // pp)."""
+    if n < (p.pp_stages if p.pp_engine == "dualpipev" else p.pp):
+        return False
+    return p.pp_engine != "interleaved_1f1b" or n % max(1, n // p.pp) == 0
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:

@@ -33,7 +33,8 @@ from .models.layers import init_std
 from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
 from .parallel import context, data, expert, pipeline, tensor
 from .parallel.comm import count_step
-from .parallel.parallelize import parallelize
+from .parallel.compile import compile_seconds
+from .parallel.parallelize import parallelize_stages
 from .parallel.shards import copy_full_, local, write_layout
 from .profiling import StepProfiler
 from .recipe import Recipe
@@ -56,10 +57,12 @@ class TrainState:
     params: list[nn.Parameter]  # the trainable parameters, in a fixed order
     norm_weights: list[float]  # 1 / replication of each parameter, for the global grad norm
     step: int = 0
+    compile_reported: bool = False  # training.compile: the compile time was printed (after the first step)
 
     @property
     def is_last_stage(self) -> bool:
-        return self.coords["pp"] == self.recipe.parallelism.pp - 1
+        """This rank holds the last pipeline stage (the loss): rank pp - 1, or 0 under a V schedule."""
+        return pipeline.holds_last_stage(self.coords["pp"], self.recipe.parallelism)
 
 
 def resolve_device(choice: str) -> str:
@@ -100,13 +103,14 @@ def setup(recipe: Recipe) -> TrainState:
     torch.manual_seed(recipe.training.seed)
     mesh = build_mesh(recipe.parallelism, device.type)
     coords = mesh_coords(mesh)
-    model = materialize(parallelize(recipe, mesh, coords, device), device)
+    model, parts = parallelize_stages(recipe, mesh, coords, device)  # parts: this rank's pipeline stages
+    model = materialize(model, device)
     init_weights(model, recipe.training.seed)
     t, p = recipe.training, recipe.parallelism
     loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length)
     schedule = None
     if p.pp_enabled:
-        schedule = pipeline.build_schedule(model, coords["pp"], mesh["pp"], device, p, recipe.num_microbatches, loss_fn)
+        schedule = pipeline.build_schedule(parts, mesh["pp"], device, p, recipe.num_microbatches, loss_fn)
     optimizer = build_optimizer([model], recipe.optimizer)
     params = [q for q in model.parameters() if q.requires_grad]
     weights = [1.0 / replication(q, dist.get_world_size(), p.pp) for q in params]
@@ -116,15 +120,29 @@ def setup(recipe: Recipe) -> TrainState:
 
 
 def compute_dtype_context(state: TrainState):
-    """bf16 autocast when the recipe asks for it."""
-    if state.recipe.training.dtype == "bfloat16":
+    """training.dtype bfloat16 computes in bf16 over fp32 master weights: where FSDP is used
+    its MixedPrecisionPolicy gathers bf16 parameters (parallelize.fsdp_param_dtype) and
+    reduces gradients in fp32, so no autocast; elsewhere bf16 autocast."""
+    t = state.recipe.training
+    if t.dtype == "bfloat16" and not state.recipe.parallelism.fsdp_enabled:
         return torch.autocast(state.device.type, dtype=torch.bfloat16)
     return torch.autocast(state.device.type, enabled=False)
 
 
 def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Run every microbatch of this rank's local batch; return the sum of its losses (zero
-    where this rank computes none)."""
+    where this rank computes none). With training.compile, rank 0 prints the compile time
+    once, after the first step (torch compiles each block in its first forward and backward)."""
+    total = _microbatches(state, inputs, targets)
+    if state.recipe.training.compile and not state.compile_reported:
+        state.compile_reported = True
+        if dist.get_rank() == 0:
+            n = len(state.model.model.layers)
+            print(f"compile: {compile_seconds():.1f} s compiling {n} decoder blocks on rank 0", flush=True)
+    return total
+
+
+def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     p, mbs = state.recipe.parallelism, state.recipe.training.micro_batch_size
     with tensor.loss_context(p), compute_dtype_context(state):
         if state.schedule is not None:

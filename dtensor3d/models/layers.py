@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 
 class RMSNorm(nn.Module):
@@ -115,13 +117,44 @@ class ModelHooks:
     expert_dispatch:  expert parallelism's route to the experts (None: all experts here)
     aux_loss_scale:   gradient scale of the MoE balance loss (coef / microbatches per step;
                       0: no balance loss, as in a forward-only model)
-    recompute:        "none" or "full" (keep only each decoder layer's input for backward)
+    recompute:        "none", "full" (keep only each decoder layer's input for backward) or
+                      "selective" (keep its matmul outputs too: `recompute_context`)
     """
 
     sequence: SequenceLayout = field(default_factory=SequenceLayout)
     expert_dispatch: ExpertDispatch | None = None
     aux_loss_scale: float = 0.0
     recompute: str = "none"
+
+
+# Ops whose outputs selective recompute keeps: the matmuls (and attention, a pair of them);
+# everything else in a decoder layer (norms, RoPE, SiLU, products, adds) runs again in backward.
+MATMUL_OPS = frozenset(
+    op
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_grouped_mm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+    )
+    if (op := getattr(torch.ops.aten, name, None)) is not None
+)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    packet = getattr(op, "overloadpacket", op)  # aten.mm.default -> aten.mm
+    return CheckpointPolicy.MUST_SAVE if packet in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_context(mode: str):
+    """torch.utils.checkpoint's context_fn for a recompute mode: full keeps nothing inside the
+    layer (torch's default); selective keeps the outputs of MATMUL_OPS."""
+    if mode == "selective":
+        return partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    return noop_context_fn
 
 
 class MLP(nn.Module):

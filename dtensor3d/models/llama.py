@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import MLP, KVCache, ModelHooks, RMSNorm, apply_rope, cached_attention, rope_tables
+from .layers import MLP, KVCache, ModelHooks, RMSNorm, apply_rope, cached_attention, recompute_context, rope_tables
 from .moe import MoE
 
 
@@ -60,7 +60,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, hooks: ModelHooks, moe: bool = False):
         super().__init__()
-        self.recompute = hooks.recompute == "full"
+        self.recompute = hooks.recompute  # none | full | selective
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, hooks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -75,8 +75,8 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled() and cache is None:
-            out = checkpoint(self._forward, x, use_reentrant=False)
+        if self.recompute != "none" and torch.is_grad_enabled() and cache is None:
+            out = checkpoint(self._forward, x, use_reentrant=False, context_fn=recompute_context(self.recompute))
         else:
             out = self._forward(x, cache)
         if hasattr(self, "block_sparse_moe"):

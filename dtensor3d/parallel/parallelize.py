@@ -3,13 +3,18 @@
     step                 file                  why here in the order
     1 hooks              context.py, expert.py cp's token layout and ep's expert route are
                                                given to the model at construction (single-
-                                               device code takes them as ModelHooks)
+                                               device code takes them as ModelHooks); so is
+                                               recompute (none | full | selective)
     2 pipeline split     pipeline.py           later steps only touch this stage's modules
+                                               (one module per stage; a rank may hold several)
     3 tensor parallel    tensor.py             DTensor styles on whole (unsharded) weights
     4 context parallel   context.py            (step 1: it changes attention, not weights)
     5 expert parallel    expert.py             experts sharded over ep before FSDP sees them
-    6 recompute          (models, step 1)      wraps whole layers; FSDP then wraps those
-    7 fsdp               data.py               last: it shards whatever the others left
+    6 recompute          (models, step 1)      wraps whole layers; compile and FSDP wrap those
+    7 compile            compile.py            one graph per block, with its DTensor layouts
+                                               and checkpoint inside, FSDP's hooks outside
+    8 fsdp               data.py               last: it shards whatever the others left;
+                                               bf16 training gathers bf16 parameters here
 
 Everything happens on the meta device; `train.setup` then materialises and initialises.
 """
@@ -21,10 +26,11 @@ from torch import nn
 
 from ..models import build_on_meta
 from ..models.layers import ModelHooks
+from .compile import apply_compile
 from .context import sequence_layout
 from .data import apply_fsdp
 from .expert import aux_loss_scale, expert_dispatch, shard_experts
-from .pipeline import split_stage
+from .pipeline import local_stages, merge_stages, split_stage
 from .tensor import apply_tp
 
 
@@ -39,16 +45,39 @@ def model_hooks(recipe, mesh, device: torch.device) -> ModelHooks:
     )
 
 
-def parallelize(recipe, mesh, coords: dict[str, int], device: torch.device) -> nn.Module:
-    """This rank's part of the model, on the meta device, with every parallelism applied
-    in the order of the table above."""
+def fsdp_param_dtype(recipe) -> torch.dtype | None:
+    """FSDP2's compute dtype: bf16 gathered parameters for training.dtype bfloat16 (the fp32
+    shards stay the master weights; gradients are reduced in fp32)."""
+    return torch.bfloat16 if recipe.training.dtype == "bfloat16" else None
+
+
+def parallelize_stage(recipe, mesh, stage: int, hooks: ModelHooks) -> nn.Module:
+    """Global pipeline stage `stage` of the model (the whole model when pp == 1), on the meta
+    device, with every parallelism applied in the order of the table above."""
     p = recipe.parallelism
-    model = build_on_meta(recipe.model, hooks=model_hooks(recipe, mesh, device))
-    split_stage(model, coords["pp"], p)
+    model = build_on_meta(recipe.model, hooks=hooks)
+    split_stage(model, stage, p)
     if p.tp_enabled:
         apply_tp(model, mesh["tp"], p)
     if p.ep_enabled:
         shard_experts(model, mesh["ep"])
+    if recipe.training.compile:
+        apply_compile(model)
     if p.fsdp_enabled:
-        apply_fsdp(model, mesh, p)
+        apply_fsdp(model, mesh, p, param_dtype=fsdp_param_dtype(recipe))
     return model
+
+
+def parallelize_stages(recipe, mesh, coords: dict[str, int], device: torch.device):
+    """(this rank's model, its pipeline stages as [(global stage index, module)]). With one
+    stage per rank the model is that stage; with several (interleaved_1f1b, zbv, dualpipev)
+    it is `merge_stages` over them: the same parameters under their global names."""
+    hooks = model_hooks(recipe, mesh, device)
+    parts = [(s, parallelize_stage(recipe, mesh, s, hooks)) for s in local_stages(coords["pp"], recipe.parallelism)]
+    model = parts[0][1] if len(parts) == 1 else merge_stages([m for _, m in parts])
+    return model, parts
+
+
+def parallelize(recipe, mesh, coords: dict[str, int], device: torch.device) -> nn.Module:
+    """This rank's part of the model, on the meta device, with every parallelism applied."""
+    return parallelize_stages(recipe, mesh, coords, device)[0]

@@ -1,50 +1,147 @@
 """Pipeline parallelism: split the model into stages and drive them with PyTorch's schedules.
 
-Build time: `split_stage` (this rank's stage of the meta model) and `build_schedule`.
-Step time: `schedule_step` runs every microbatch of the step through the schedule.
+Build time: `local_stages` (which stages this rank holds), `split_stage` (one stage of the
+meta model), `merge_stages` (a rank's stages seen as one model, for names) and
+`build_schedule`. Step time: `schedule_step` runs every microbatch of the step through the
+schedule.
 
-Stage i holds a contiguous run of decoder blocks; the first stage also holds the embedding
-and the last the final norm, the head and the loss. Layers are balanced by count unless
-`parallelism.pp_layers` lists them.
+The model is cut into pp x stages_per_rank stages. Stage i holds a contiguous run of decoder
+blocks; the first stage also holds the embedding and the last the final norm, the head and
+the loss. With one stage per rank (1f1b, afab) layers are balanced by count unless
+`parallelism.pp_layers` lists them. Several stages per rank: interleaved_1f1b loops (rank r
+holds stages r, r + pp, r + 2 pp, ...); zbv and dualpipev run a V (rank r holds stages r and
+2 pp - 1 - r, so rank 0 holds the first and the last).
+
+Each stage is its own module (PipelineStage and FSDP each take one root per stage); the
+model a rank reports (`merge_stages`) shares their submodules, so parameter names stay
+global (model.layers.<i>...) whatever the schedule, and a checkpoint moves between them.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
 
-from ..recipe import stage_layers  # torch-free (plan uses it); importable from here as before
+from ..models import build_on_meta
+from ..recipe import V_SCHEDULES, stage_layers  # torch-free (plan uses it); importable from here as before
 from .shards import local
 
-SCHEDULES = {"1f1b": Schedule1F1B, "afab": ScheduleGPipe}
+
+def forward_actions(order: dict[int, list[_Action | None]]) -> dict[int, list[_Action]]:
+    """A compute-only pipeline order less its backward actions (overlapped F+B keeps its F):
+    the forward-only order of an evaluation, in the training order's sequence."""
+    forward = _ComputationType.FORWARD
+    out: dict[int, list[_Action]] = {}
+    for rank, actions in order.items():
+        out[rank] = []
+        for a in actions:
+            for sub in (a.sub_actions or (a,)) if a is not None else ():
+                if sub.computation_type == forward:
+                    out[rank].append(sub)
+    return out
+
+
+class ForwardOnlyEval:
+    """For torch's multi-stage (runtime) schedules: `eval` runs only the forward actions.
+    (torch 2.13's `eval` on them still executes the backward actions and fails.)"""
+
+    def eval(self, *args, **kwargs):
+        train_order = self.pipeline_order_with_comms
+        # torch's lowering (_prepare_schedule_with_comms) less its checks, which ask for backwards
+        order = {rank: _add_unshard_reshard(actions) for rank, actions in forward_actions(self.pipeline_order).items()}
+        self.pipeline_order_with_comms = _add_send_recv(
+            order, stage_to_rank=lambda s: self.stage_index_to_group_rank[s], num_stages=self._num_stages
+        )
+        try:
+            return super().eval(*args, **kwargs)
+        finally:
+            self.pipeline_order_with_comms = train_order
+
+
+def _with_eval(cls):
+    return type(cls.__name__, (ForwardOnlyEval, cls), {"__doc__": cls.__doc__})
+
+
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "afab": ScheduleGPipe,
+    "interleaved_1f1b": _with_eval(ScheduleInterleaved1F1B),
+    "zbv": _with_eval(ScheduleZBVZeroBubble),
+    "dualpipev": _with_eval(ScheduleDualPipeV),
+}
+
+
+def local_stages(pp_rank: int, parallelism) -> list[int]:
+    """The global stage indices this pp rank holds, in the order its schedule lists them."""
+    p = parallelism
+    if not p.pp_enabled:
+        return [0]
+    if p.pp_engine in V_SCHEDULES:
+        return [pp_rank, 2 * p.pp - 1 - pp_rank]
+    return [pp_rank + k * p.pp for k in range(p.stages_per_rank)]
+
+
+def holds_first_stage(pp_rank: int, parallelism) -> bool:
+    return 0 in local_stages(pp_rank, parallelism)
+
+
+def holds_last_stage(pp_rank: int, parallelism) -> bool:
+    """This rank computes the loss (the last stage: rank pp - 1, or rank 0 under a V schedule)."""
+    return parallelism.pp_stages - 1 in local_stages(pp_rank, parallelism)
 
 
 def split_stage(model: nn.Module, stage: int, parallelism) -> nn.Module:
-    """Reduce a whole (meta-device) model to pipeline stage `stage`, in place."""
-    if not parallelism.pp_enabled:
+    """Reduce a whole (meta-device) model to global pipeline stage `stage`, in place."""
+    p = parallelism
+    if not p.pp_enabled:
         return model
-    layers = stage_layers(model.cfg.num_hidden_layers, parallelism.pp, parallelism.pp_layers)[stage]
-    return model.keep_only(layers, first=stage == 0, last=stage == parallelism.pp - 1)
+    pp_layers = p.pp_layers if p.stages_per_rank == 1 else None
+    layers = stage_layers(model.cfg.num_hidden_layers, p.pp_stages, pp_layers)[stage]
+    return model.keep_only(layers, first=stage == 0, last=stage == p.pp_stages - 1)
+
+
+def merge_stages(parts: list[nn.Module]) -> nn.Module:
+    """One model over a rank's stage modules, sharing their submodules (no copies): its
+    named_parameters are the stages' under their global names, in layer order."""
+    merged = build_on_meta(parts[0].cfg)
+    layers = {i: block for part in parts for i, block in part.model.layers.items()}
+    merged.model.layers = nn.ModuleDict({i: layers[i] for i in sorted(layers, key=int)})
+    merged.model.embed_tokens = next((q.model.embed_tokens for q in parts if q.model.embed_tokens is not None), None)
+    merged.model.norm = next((q.model.norm for q in parts if q.model.norm is not None), None)
+    merged.lm_head = next((q.lm_head for q in parts if q.lm_head is not None), None)
+    return merged
 
 
 def build_schedule(
-    stage_module: nn.Module, stage: int, pp_mesh, device: torch.device, parallelism, n_microbatches: int, loss_fn
+    parts: list[tuple[int, nn.Module]], pp_mesh, device: torch.device, parallelism, n_microbatches: int, loss_fn
 ):
-    """A PipelineStage for this rank and the schedule named by `pp_engine`.
+    """PipelineStages for this rank's (stage index, module) parts and the schedule named by
+    `pp_engine` (the multi-stage schedules take a list of stages).
 
     Gradients are not rescaled by the microbatch count: `loss_fn` already divides by the
     token count of the whole global batch."""
-    pipeline_stage = PipelineStage(stage_module, stage, parallelism.pp, device, group=pp_mesh.get_group())
+    group, total = pp_mesh.get_group(), parallelism.pp_stages
+    stages = [PipelineStage(module, index, total, device, group=group) for index, module in parts]
     schedule_cls = SCHEDULES[parallelism.pp_engine]
-    return schedule_cls(pipeline_stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    first = stages if parallelism.stages_per_rank > 1 else stages[0]
+    return schedule_cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def schedule_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, stage: int, parallelism) -> torch.Tensor:
-    """Step time: run the step's microbatches through the schedule (inputs enter on the first
-    stage, targets and the loss live on the last); return the sum of this rank's microbatch
-    losses (zero off the last stage)."""
-    first, last = stage == 0, stage == parallelism.pp - 1
+    """Step time: run the step's microbatches through the schedule (inputs enter on the rank
+    holding the first stage, targets and the loss live on the one holding the last); return
+    the sum of this rank's microbatch losses (zero where it holds no last stage). `stage` is
+    this rank's pp coordinate."""
+    first, last = holds_first_stage(stage, parallelism), holds_last_stage(stage, parallelism)
     losses: list[torch.Tensor] = []
     args = (inputs,) if first else ()
     schedule.step(*args, target=targets if last else None, losses=losses if last else None)
