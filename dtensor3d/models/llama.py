@@ -84,7 +84,10 @@ class DecoderLayer(nn.Module):
         return out
 
     def _forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache)
+        h = self.input_layernorm(x)
+        # Training calls the attention with one input: tensor parallelism's input styles
+        # (sequence parallelism's gather) are written for exactly that.
+        x = x + (self.self_attn(h) if cache is None else self.self_attn(h, cache))
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 

@@ -50,7 +50,8 @@ def _tensors(x):
 def group_dims(mesh) -> dict[str, str]:
     """process group name -> the dim its bytes count under (dims sharing a group: "a+b")."""
     names: dict[str, list[str]] = {}
-    for view, dim in [(a, a) for a in AXES] + [(v, "dp") for v in mesh_views(mesh) if v != "dp"]:
+    hsdp = [(a, "dp") for a in ("dp_replicate", "dp_shard") if a in (mesh.mesh_dim_names or ())]
+    for view, dim in [(a, a) for a in AXES] + hsdp + [(v, "dp") for v in mesh_views(mesh) if v != "dp"]:
         if mesh_axis(mesh, view).size() == 1:
             continue
         dims = names.setdefault(mesh_axis(mesh, view).get_group().group_name, [])
