@@ -33,3 +33,29 @@ def train_metrics(run_dir: Path, nproc: int, overrides: list[str], recipe: str =
 def parity_reference(tmp_path_factory):
     """The 1-process run of the parity recipe, computed once per session."""
     return train_metrics(tmp_path_factory.mktemp("ref"), 1, [])
+
+
+# dp2 x tp2 x pp2 with checkpoints at steps 5 and 10 and the layout files: one run serves
+# test_parity[dp2_tp2_pp2] (parity, layout, communication) and test_checkpoint (resume,
+# reshard, export). "{root}" is the run's own directory (see shared_run).
+MESH_822 = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"]
+SAVES_AT_5_AND_10 = ["checkpoint.dir={root}/ck", "checkpoint.interval=5"]
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """Runs that several tests (in several files) make with the same overrides, each trained
+    once per session: get(nproc, overrides, recipe) -> (metrics records, root). The run
+    directory is root / "run"; "{root}" in an override is replaced by root (for a
+    checkpoint.dir of the run's own). The order of the overrides does not matter."""
+    cache: dict[tuple, tuple[list[dict], Path]] = {}
+
+    def get(nproc: int, overrides: list[str], recipe: str = PARITY) -> tuple[list[dict], Path]:
+        key = (nproc, recipe, tuple(sorted(overrides)))
+        if key not in cache:
+            root = tmp_path_factory.mktemp("shared")
+            filled = [o.replace("{root}", str(root)) for o in overrides]
+            cache[key] = train_metrics(root / "run", nproc, filled, recipe), root
+        return cache[key]
+
+    return get

@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import PARITY, ROOT, train_metrics
+from conftest import MESH_822, PARITY, ROOT, SAVES_AT_5_AND_10, train_metrics
+from lr_schedule import scheduled_lr
 from safetensors.torch import load_file
 
 from dtensor3d import checkpoint as ck
@@ -33,7 +34,6 @@ from dtensor3d.parallel.data import local_batch
 from dtensor3d.recipe import load_recipe
 
 TOL = 1e-5
-MESH_822 = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"]
 DIST_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -117,11 +117,10 @@ def run_one(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run_822(tmp_path_factory):
-    """dp2 x tp2 x pp2 (FSDP2 + TP + 1F1B), 10 steps, checkpoints at 5 and 10."""
-    root = tmp_path_factory.mktemp("822")
-    records = train_metrics(root / "run", 8, MESH_822 + [f"checkpoint.dir={root / 'ck'}", "checkpoint.interval=5"])
-    return records, root
+def run_822(shared_run):
+    """dp2 x tp2 x pp2 (FSDP2 + TP + 1F1B), 10 steps, checkpoints at 5 and 10: the run of
+    test_parity[dp2_tp2_pp2] (conftest.shared_run; it also writes the layout files)."""
+    return shared_run(8, MESH_822 + ["logging.layout=true", *SAVES_AT_5_AND_10])
 
 
 # ---------------------------------------------------------------- saving, exact resume
@@ -391,6 +390,88 @@ def test_bad_checksum_found_by_the_ranks(run_one, tmp_path):
     assert "optim-stage00.safetensors" in line and "sha256" in line
     assert "step " not in proc.stdout
     assert tree_digest(ckpt) == before
+
+
+def test_launch_verifies_checksums_before_torchrun(run_one, tmp_path):
+    """`bash launch.sh` checks every sha256 (its `validate`) and starts no rank: one error
+    line, and launch.sh's Python calls (logged through $PYTHON) are that one `validate`."""
+    _, root = run_one
+    ckpt = tmp_path / "ck"
+    shutil.copytree(root / "ck", ckpt)
+    _flip(ckpt / "step_00000010" / "model-stage00.safetensors")  # same size: only sha256 tells
+    before = tree_digest(ckpt)
+    log, wrapper = tmp_path / "python-calls.log", tmp_path / "python"
+    wrapper.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> "{log}"\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV} | {"PYTHON": str(wrapper)}
+    args = [PARITY, f"checkpoint.dir={ckpt}", "training.steps=12", f"logging.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(["bash", "launch.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    line = one_error_line(proc)
+    assert "model-stage00.safetensors" in line and "sha256" in line
+    calls = log.read_text().splitlines()
+    assert len(calls) == 1 and calls[0].startswith("-m dtensor3d validate"), calls
+    assert not (tmp_path / "run").exists() and tree_digest(ckpt) == before
+
+
+def test_bad_checksum_found_by_two_ranks_together(run_one, tmp_path):
+    """Under torchrun the ranks split the sha256 checks (file i on rank i mod world). The
+    damaged file is the second of the manifest, rank 1's share: both ranks stop before any
+    step, with one error line (rank 0 prints it), and nothing is overwritten."""
+    _, root = run_one
+    ckpt = tmp_path / "ck"
+    shutil.copytree(root / "ck", ckpt)
+    step = ckpt / "step_00000010"
+    names = sorted(json.loads((step / "manifest.json").read_text())["files"])
+    assert names[1] == "optim-stage00.safetensors", names
+    _flip(step / names[1])
+    before = tree_digest(ckpt)
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV} | {"OMP_NUM_THREADS": "1"}
+    train = ["-m", "dtensor3d", "train", PARITY, "parallelism.dp=2", f"checkpoint.dir={ckpt}", "training.steps=12"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *train]
+    proc = subprocess.run(
+        [*cmd, f"logging.run_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and str(step / names[1]) in errors[0] and "sha256" in errors[0], proc.stderr[-4000:]
+    assert "step " not in proc.stdout
+    assert tree_digest(ckpt) == before
+
+
+def test_resume_from_a_checkpoint_dir_interval_0_and_init_from_hf_ignored(run_one, hf_model, tmp_path):
+    """checkpoint.resume=<checkpoint dir> takes its newest step (10, of 5..10); init_from_hf,
+    also given, is ignored because there is a checkpoint to resume; checkpoint.interval=0
+    saves only at the end (step 13, not 11 or 12); micro_batch_size and the optimizer
+    settings may change on resume."""
+    _, root = run_one
+    model, hf_root = hf_model
+    ckpt, run = tmp_path / "ck", tmp_path / "run"
+    changed = ["training.micro_batch_size=2", "optimizer.lr=2e-3", "optimizer.decay=linear"]
+    proc = cli_process(
+        "train",
+        PARITY,
+        "training.steps=13",
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.interval=0",
+        f"checkpoint.resume={root / 'ck'}",
+        f"checkpoint.init_from_hf={hf_root / 'single'}",
+        f"logging.run_dir={run}",
+        *changed,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {root / 'ck' / 'step_00000010'} at step 10" in proc.stdout, proc.stdout[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [11, 12, 13]
+    # Step 11's loss is the step-10 model's loss on global batch 10, not the Hugging Face model's.
+    recipe = load_recipe(PARITY)
+    inputs, targets = local_batch(recipe, make_source(recipe), 10)
+    ours = F.cross_entropy(our_logits(load_model(root / "ck"), inputs).flatten(0, 1), targets.flatten()).item()
+    theirs = F.cross_entropy(hf_logits(model, inputs).flatten(0, 1), targets.flatten()).item()
+    assert abs(records[0]["loss"] - ours) / ours <= TOL, (records[0]["loss"], ours)
+    assert abs(theirs - ours) / ours > 1e-3, (theirs, ours)  # the two starts are told apart
+    new = load_recipe(PARITY, ["training.steps=13", *changed]).optimizer
+    assert [r["lr"] for r in records] == pytest.approx([scheduled_lr(s, new, 13) for s in (10, 11, 12)], rel=1e-12)
+    assert steps_of(ckpt) == ["step_00000013"] and (ckpt / "latest").read_text().strip() == "step_00000013"
 
 
 # ---------------------------------------------------------------- Hugging Face
