@@ -1,0 +1,55 @@
+"""bench/plan_accuracy.py's instruments: the live-bytes counter and the comm comparison."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from live_bytes import LiveBytes  # noqa: E402
+from plan_accuracy import expected_comm  # noqa: E402
+
+
+def test_live_bytes_counts_storages_once_and_frees():
+    live = LiveBytes()
+    with live:
+        a = torch.empty(1000)  # 4,000 bytes
+        view = a[10:20].view(2, 5)  # same storage: not counted again
+        b = a * 2  # another 4,000
+        assert live.now == 8000 and live.peak == 8000
+        del b
+        assert live.now == 4000
+        live.reset_peak()
+        c = torch.ones(250, dtype=torch.float64)  # 2,000
+        assert live.peak == 6000
+        c.untyped_storage().resize_(0)  # FSDP2's way of freeing a gathered parameter
+        assert live.now == 4000
+        c.untyped_storage().resize_(4000)
+        assert live.now == 8000 and live.peak == 8000
+        del a
+        assert live.now == 8000  # the view still holds a's storage
+        del view, c
+        assert live.now == 0
+    assert torch.UntypedStorage.resize_ is live._real_resize  # restored on exit
+
+
+def test_expected_comm_merges_dims_sharing_a_group():
+    kinds = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0, "send_recv": 0}
+    stage = {
+        "cp": dict(kinds, all_gather=10, all_reduce=1, total=11),
+        "dp": dict(kinds, all_gather=5, total=5),
+        "tp": dict(kinds, total=0),
+        "world": dict(kinds, all_reduce=12, total=12),
+    }
+    assert expected_comm(stage, ["cp", "dp"]) == {
+        "cp": {"all_gather": 10, "all_reduce": 1},
+        "dp": {"all_gather": 5},
+        "world": {"all_reduce": 12},
+    }
+    assert expected_comm(stage, ["cp+dp", "world"]) == {
+        "cp+dp": {"all_gather": 15, "all_reduce": 1},
+        "world": {"all_reduce": 12},
+    }
