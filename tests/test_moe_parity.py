@@ -21,6 +21,14 @@ CONFIGS = {
     "ep2_pp2": ["parallelism.ep=2", "parallelism.pp=2"],
     "ep2_cp2": ["parallelism.ep=2", "parallelism.cp=2"],
     "ep2_pp2_dp2_tp2": ["parallelism.ep=2", "parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2"],
+    # README model keys: experts in layers 1 and 3 only (0 and 2 dense MLPs), and a shared
+    # expert beside the routed ones (replicated over tp like the experts); its own 1-process run.
+    "ep2_tp2_moe_layers_shared_expert": [
+        "parallelism.ep=2",
+        "parallelism.tp=2",
+        "model.moe_layers=[1, 3]",
+        "model.shared_expert_intermediate_size=32",
+    ],
 }
 
 
@@ -35,14 +43,25 @@ def world(overrides):
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
-    return train_metrics(tmp_path_factory.mktemp("moe_ref"), 1, [], MOE)
+    """The 1-process run of the MoE recipe with a config's non-parallelism overrides."""
+    cache = {}
+
+    def get(overrides: list[str]) -> list[dict]:
+        same_model = tuple(o for o in overrides if not o.startswith("parallelism."))
+        if same_model not in cache:
+            cache[same_model] = train_metrics(tmp_path_factory.mktemp("moe_ref"), 1, list(same_model), MOE)
+        return cache[same_model]
+
+    return get
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_moe_parity(name, moe_reference, tmp_path, record_property):
+    recipe = load_recipe(MOE, CONFIGS[name])
+    moe_reference = moe_reference(CONFIGS[name])
     got = train_metrics(tmp_path, world(CONFIGS[name]), CONFIGS[name] + ["logging.layout=true"], MOE)
-    check_layout(tmp_path, load_recipe(MOE, CONFIGS[name]))  # experts split over ep, and the rest
-    check_comm(tmp_path, load_recipe(MOE, CONFIGS[name]))  # bytes per collective per mesh dim
+    check_layout(tmp_path, recipe)  # experts split over ep, and the rest
+    check_comm(tmp_path, recipe)  # bytes per collective per mesh dim
     assert len(got) == len(moe_reference) == 10
     worst = dict.fromkeys(("loss", "grad_norm", "aux_loss"), 0.0)
     for g, r in zip(got, moe_reference):
@@ -56,5 +75,6 @@ def test_moe_parity(name, moe_reference, tmp_path, record_property):
             assert rel <= TOL, f"step {r['step']} val_loss: {g['val_loss']!r} vs {r['val_loss']!r} (rel {rel:.2e})"
     for key, rel in worst.items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
-    # 8 sequences x 32 tokens x top-2 x 4 MoE layers routed slots per step.
-    assert sum(moe_reference[0]["tokens_per_expert"]) == 8 * 32 * 2 * 4
+    # 8 sequences x 32 tokens x top-2 x 4 MoE layers (or those of model.moe_layers) routed slots per step.
+    moe_layers = recipe.model.moe_layers or range(recipe.model.num_hidden_layers)
+    assert sum(moe_reference[0]["tokens_per_expert"]) == 8 * 32 * 2 * len(moe_layers)
