@@ -2,10 +2,17 @@
 step by step (10 AdamW steps, fp32, CPU). Relative difference <= 1e-5 for loss and
 grad_norm at every step; tensor parallelism on this CPU typically lands near 1e-7."""
 
+import json
 import math
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
-from conftest import PARITY, ROOT, train_metrics
+from conftest import MESH_822, PARITY, ROOT, SAVES_AT_5_AND_10, train_metrics
 from lr_schedule import scheduled_lr
 from sharding import check_comm, check_layout
 
@@ -42,6 +49,8 @@ CONFIGS = {
     "dp4_hybrid": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2"],
     "dp4_hybrid_tp2": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2", "parallelism.tp=2"],
     "dp4_hybrid_pp2": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2", "parallelism.pp=2"],
+    # Uneven stages (README: pp_layers, e.g. [3, 1]): layers 0-2 on stage 0, layer 3 on stage 1.
+    "pp2_uneven_layers": ["parallelism.pp=2", "parallelism.pp_layers=[3, 1]"],
     "pp2_dp2_cp2_tp2": [
         "parallelism.pp=2",
         "parallelism.dp=2",
@@ -109,27 +118,74 @@ def reference(parity_reference, tmp_path_factory):
     return get
 
 
+# Configurations whose run test_checkpoint also uses (conftest.shared_run): the same run, saving
+# checkpoints as it goes (saving leaves training bitwise unchanged: test_checkpoint).
+SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10}
+assert CONFIGS["dp2_tp2_pp2"] == MESH_822
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_parity(name, reference, tmp_path, record_property):
+def test_parity(name, reference, shared_run, record_property):
     overrides = CONFIGS[name]
-    got = train_metrics(tmp_path, world(overrides), overrides + ["logging.layout=true"])
+    got, root = shared_run(world(overrides), overrides + ["logging.layout=true"] + SHARED.get(name, []))
     # Every rank holds every parameter as the plans promise (the parallelism is really on).
-    check_layout(tmp_path, load_recipe(PARITY, overrides))
+    check_layout(root / "run", load_recipe(PARITY, overrides))
     # ...and hands each collective the bytes the configuration implies (plan's estimate).
-    check_comm(tmp_path, load_recipe(PARITY, overrides))
+    check_comm(root / "run", load_recipe(PARITY, overrides))
     for key, rel in assert_parity(got, reference(overrides), scheduled_lrs(PARITY, overrides)).items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
     # The run learned something: the loss falls over the ten steps.
     assert got[-1]["loss"] < got[0]["loss"]
 
 
+def launch(recipe: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    """`bash launch.sh RECIPE OVERRIDES` from the repository root, as the README runs it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable)
+    cmd = ["bash", "launch.sh", recipe, *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
 def test_parity_3d_recipe(tmp_path, record_property):
-    """recipes/3d.yaml itself (dp4 x pp2 x tp2, 16 ranks) against its 1-process run."""
+    """`bash launch.sh recipes/3d.yaml` itself (dp4 x pp2 x tp2, 16 ranks; 10 steps instead of
+    30) against its 1-process run. The same run shows the README's outputs (metrics.jsonl's
+    fields, the resolved recipe.yaml, loss.svg, one console line per step) and that
+    tp_linear_async_communication is accepted, warned about on CPU and changes nothing."""
     recipe = str(ROOT / "recipes" / "3d.yaml")
-    common = ["training.steps=10", "training.device=cpu"]
+    # eval_every 5: the validation loss at steps 5 and 10, which assert_parity compares too.
+    common = ["training.steps=10", "training.device=cpu", "training.eval_every=5", "training.eval_batches=1"]
     ref = train_metrics(
         tmp_path / "one", 1, common + ["parallelism.dp=1", "parallelism.pp=1", "parallelism.tp=1"], recipe
     )
-    got = train_metrics(tmp_path / "sixteen", 16, common, recipe)
+    run = tmp_path / "sixteen"
+    given = [*common, "parallelism.tp_linear_async_communication=true", f"logging.run_dir={run}"]
+    proc = launch(recipe, given)
+    got = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for key, rel in assert_parity(got, ref, scheduled_lrs(recipe, common)).items():
         record_property(f"max_rel_{key}", rel)
+    assert "tp_linear_async_communication has no effect on CPU" in proc.stderr, proc.stderr[-3000:]
+    check_outputs(run, got, proc.stdout, load_recipe(recipe, given))
+
+
+def check_outputs(run: Path, records: list[dict], stdout: str, recipe) -> None:
+    """README 'Outputs': metrics.jsonl's fields, recipe.yaml with the overrides, loss.svg, the console."""
+    tokens = recipe.training.global_batch_size * recipe.training.sequence_length
+    peaks = [r["peak_mem_gib"] for r in records]
+    for r in records:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "ms_per_step", "peak_mem_gib", "mfu"} <= set(r)
+        assert r["mfu"] is None  # GPU only
+        assert r["ms_per_step"] > 0
+        assert math.isclose(r["tokens_per_sec"] * r["ms_per_step"] / 1000, tokens, rel_tol=1e-9)
+    assert 0 < peaks[0] <= 24 and peaks == sorted(peaks), peaks  # a peak (resident set on CPU) only grows
+    assert load_recipe(str(run / "recipe.yaml")) == recipe and recipe.training.steps == 10  # 30 in the file
+    svg = ET.parse(run / "loss.svg").getroot()
+    lines = [e for e in svg.iter() if e.tag.endswith("polyline")]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert [len(e.get("points").split()) for e in lines] == [len(records)] + ([len(vals)] if vals else [])
+    every = vals + [r["loss"] for r in records]
+    labels = {e.text for e in svg.iter() if e.tag.endswith("text")}  # the loss axis: lowest and highest
+    assert {f"{min(every):.3f}", f"{max(every):.3f}"} <= labels, labels
+    logged = [int(m[1]) for m in re.finditer(r"^step\s+(\d+) \|", stdout, re.M)]
+    assert logged == [r["step"] for r in records] == list(range(1, 11)), stdout[-2000:]
