@@ -19,6 +19,19 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Allocate (uninitialised) storage for a meta model on `device` and re-tie the head to
     the embedding where the config ties them (`to_empty` unties them)."""
     model.to_empty(device=device)
-    if model.cfg.tie_word_embeddings and model.lm_head is not None and model.model.embed_tokens is not None:
+    return tie_weights(model)
+
+
+def tie_weights(model: nn.Module) -> nn.Module:
+    """Make the head use the embedding's parameter where the config ties them. Anything that
+    replaces parameters (tensor parallelism's styles, `to_empty`) unties them; tie again
+    right after, and before FSDP, so FSDP manages one parameter, not two."""
+    cfg = getattr(model, "cfg", None)
+    if (
+        cfg is not None
+        and cfg.tie_word_embeddings
+        and model.lm_head is not None
+        and model.model.embed_tokens is not None
+    ):
         model.lm_head.weight = model.model.embed_tokens.weight
     return model

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import build_on_meta
+from ..models import build_on_meta, tie_weights
 from ..models.layers import ModelHooks
 from .compile import apply_compile
 from .context import sequence_layout
@@ -59,6 +59,7 @@ def parallelize_stage(recipe, mesh, stage: int, hooks: ModelHooks) -> nn.Module:
     split_stage(model, stage, p)
     if p.tp_enabled:
         apply_tp(model, mesh["tp"], p)
+        tie_weights(model)  # the vocab-parallel embedding and head share Shard(0) over tp
     if p.ep_enabled:
         shard_experts(model, mesh["ep"])
     if recipe.training.compile:
