@@ -22,7 +22,9 @@ tests/dist_scripts/comm_bytes.py measures the same quantity by intercepting coll
 
 Activation memory is a model, not an exact count: the tensors autograd keeps per decoder
 layer (norm inputs and outputs in fp32, linear inputs, attention q/k/v/output/log-sum-exp,
-the SwiGLU intermediates) and the last stage's log-probabilities.
+the SwiGLU intermediates), the last stage's log-probabilities and, under pp, what the
+schedule keeps (each stage's output per microbatch in flight; per microbatch of the step,
+receive buffers and the last stage's logits). bench/plan_accuracy.py measures it.
 """
 
 from __future__ import annotations
@@ -199,7 +201,24 @@ def stage_activation_bytes(recipe, stage: int, layers: range) -> tuple[int, int]
         kept += z.tokens * 8  # the embedding keeps its int64 indices
     if stage == p.pp - 1:  # final norm, the head's input, log-probabilities and their gradient
         kept += 2 * z.seq_tokens * z.hidden * FP32 + _linear_inputs(z, 1) + 2 * z.tokens * z.vocab * FP32
-    return kept, once
+    elif p.pp_enabled:  # the stage's output, which the schedule keeps for the microbatch's backward
+        kept += z.seq_tokens * z.hidden * FP32
+    return kept, once + pipeline_buffer_bytes(recipe, stage)
+
+
+def pipeline_buffer_bytes(recipe, stage: int) -> int:
+    """What torch.distributed.pipelining holds for the whole step, whatever is in flight: a
+    receive buffer per microbatch for the stage's input (all but the first stage) and for its
+    output's gradient (all but the last), made once and kept; and on the last stage every
+    microbatch's output (the logits), which the schedule keeps until the next step."""
+    p, z, m = recipe.parallelism, sizes(recipe), recipe.num_microbatches
+    if not p.pp_enabled:
+        return 0
+    residual = z.seq_tokens * z.hidden * FP32
+    held = m * residual * ((stage > 0) + (stage < p.pp - 1))
+    if stage == p.pp - 1:
+        held += m * z.tokens * z.vocab * z.compute
+    return held
 
 
 def in_flight(recipe, stage: int) -> int:
@@ -242,6 +261,19 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     return fwd, bwd
 
 
+def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
+    """A layer's forward collectives that full recompute runs again in backward. Recompute
+    stops once every tensor backward needs is back (torch's non-reentrant checkpoint), so a
+    dense layer's last collective -- the feed-forward's output all-reduce (reduce-scatter
+    under sequence parallelism), whose result backward never reads -- is not repeated. An
+    MoE layer's last collective (its input's) is read by the experts: all are repeated."""
+    if moe:
+        return dict(fwd)
+    z = sizes(recipe)
+    last = "reduce_scatter" if recipe.parallelism.sequence_parallel else "all_reduce"
+    return {**fwd, last: fwd[last] - z.tokens * z.hidden * z.compute}
+
+
 def _add(total: dict, part: dict, times: int = 1) -> None:
     for kind, n in part.items():
         total[kind] = total.get(kind, 0) + n * times
@@ -260,8 +292,10 @@ def tp_bytes(recipe, stage: int, layers: range) -> dict[str, int]:
     n_moe = _moe_layers(recipe, layers)
     for moe, count in ((True, n_moe), (False, len(layers) - n_moe)):
         fwd, bwd = _tp_layer(recipe, moe)
-        _add(per_micro, fwd, count * (2 if p.recompute == "full" else 1))
+        _add(per_micro, fwd, count)
         _add(per_micro, bwd, count)
+        if p.recompute == "full":
+            _add(per_micro, _tp_replay(recipe, fwd, moe), count)
     full_f, part_f = z.tokens * z.hidden * FP32, z.seq_tokens * z.hidden * FP32
     if stage == 0:  # vocab-parallel embedding: its partial output is reduced
         _add(
