@@ -32,7 +32,8 @@ def _named_failures(fn, name: str):
     def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor (or the given backend) failed
+        # inductor (or the given backend) failed, or a block kept recompiling past torch's limit
+        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CompileError(
                 f"torch.compile of {name} failed: {first[:300]}; set training.compile: false to run eager"
@@ -43,7 +44,9 @@ def _named_failures(fn, name: str):
 
 def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
     """Compile every decoder block of this stage in place (one graph per block; blocks of
-    the same shape share it)."""
+    the same shape share it). Hitting dynamo's recompile limit raises instead of quietly
+    running the block eager (torch's default)."""
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for index, block in model.model.layers.items():
         block.compile(backend=backend)
         block._compiled_call_impl = _named_failures(block._compiled_call_impl, f"model.layers.{index}")

@@ -1,0 +1,189 @@
+"""Training throughput of the speed features (issue 13), in one run:
+
+    python bench/throughput.py [--device cpu|cuda] [--steps 8] [--only NAME ...]
+
+Each variant trains the same model (BENCH below) through dtensor3d's own setup and
+train_step under torchrun (OMP_NUM_THREADS=1 per rank) and reports the median step time of
+the steps after the first two (compile: after its first step's compilation) as tokens/s:
+eager vs compile, fp32 vs bf16, each recompute mode, each pipeline schedule at pp 2 (with
+each rank's idle fraction beside the bubble formula's), and world 1 against a plain PyTorch
+loop over transformers' LlamaForCausalLM of the same shape (same batch, same AdamW). On
+CUDA it adds MFU (dtensor3d.metrics' peak table). `--worker` is the per-rank entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+BENCH = {
+    "model": dict(
+        vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+    ),
+    "training": dict(sequence_length=256, global_batch_size=8, micro_batch_size=2, steps=1000, eval_every=0),
+    "optimizer": dict(lr=1e-4, warmup_steps=0, decay="constant"),
+}  # fmt: skip
+PP2 = ["parallelism.pp=2"]
+VARIANTS = {  # name -> (ranks, overrides)
+    "eager fp32": (1, []),
+    "compile fp32": (1, ["training.compile=true"]),
+    "eager bf16": (1, ["training.dtype=bfloat16"]),
+    "recompute full": (1, ["parallelism.recompute=full"]),
+    "recompute selective": (1, ["parallelism.recompute=selective"]),
+    "pp2 1f1b": (2, [*PP2, "parallelism.pp_engine=1f1b"]),
+    "pp2 interleaved_1f1b": (2, [*PP2, "parallelism.pp_engine=interleaved_1f1b"]),
+    "pp2 zbv": (2, [*PP2, "parallelism.pp_engine=zbv"]),
+    "pp2 dualpipev": (2, [*PP2, "parallelism.pp_engine=dualpipev"]),
+}
+
+
+def bubble(recipe) -> float:
+    """The idle fraction a schedule leaves per rank in theory (m microbatches, v stages per
+    rank): (pp - 1) / (v m + pp - 1); zero-bubble V schedules fill it (0)."""
+    p, m = recipe.parallelism, recipe.num_microbatches
+    if not p.pp_enabled:
+        return 0.0
+    return 0.0 if p.pp_engine in ("zbv", "dualpipev") else (p.pp - 1) / (p.stages_per_rank * m + p.pp - 1)
+
+
+def bench_recipe(overrides: list[str], device: str):
+    from dtensor3d.recipe import recipe_from_dict, validate
+
+    raw = {k: dict(v) for k, v in BENCH.items()}
+    raw["training"]["device"] = device
+    raw["logging"] = {"run_dir": tempfile.mkdtemp(prefix="bench-")}
+    recipe = recipe_from_dict(raw, overrides)
+    validate(recipe)
+    return recipe
+
+
+def worker(overrides: list[str], steps: int, device: str, out: str) -> None:
+    """One rank: setup and `steps` train_steps; rank 0 writes the median step time and each
+    rank's CPU-busy fraction of it."""
+    import torch.distributed as dist
+
+    from dtensor3d.datasets.sources import make_source
+    from dtensor3d.train import rank_batch, setup, train_step
+
+    recipe = bench_recipe(overrides, device)
+    state = setup(recipe)
+    source, walls, cpus = make_source(recipe), [], []
+    for step in range(steps):
+        batch = rank_batch(state, source, step)
+        wall, cpu = time.perf_counter(), time.process_time()
+        metrics = train_step(state, batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    skip = 2 if steps > 3 else 1
+    wall, cpu = statistics.median(walls[skip:]), statistics.median(cpus[skip:])
+    busy = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(busy, torch.tensor([cpu / wall]))
+    if dist.get_rank() == 0:
+        result = {"step_s": wall, "first_step_s": walls[0], "busy": [b.item() for b in busy], "loss": metrics["loss"]}
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run_variant(name: str, ranks: int, overrides: list[str], args) -> dict:
+    out = tempfile.mktemp(suffix=".json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__]
+    cmd += ["--worker", "--steps", str(args.steps), "--device", args.device, "--out", out, "--", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def hf_reference(args) -> float:
+    """Seconds per step of a plain PyTorch loop over transformers' LlamaForCausalLM, same shape,
+    batch (microbatches of micro_batch_size, loss summed / global tokens) and AdamW."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    m, t, o = BENCH["model"], BENCH["training"], BENCH["optimizer"]
+    cfg = LlamaConfig(**m, tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).to(args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    times, tokens = [], t["global_batch_size"] * t["sequence_length"]
+    for _ in range(args.steps):
+        rows = torch.randint(0, m["vocab_size"], (t["global_batch_size"], t["sequence_length"] + 1), generator=gen)
+        rows = rows.to(args.device)
+        start = time.perf_counter()
+        for mb in rows.split(t["micro_batch_size"]):
+            logits = model(input_ids=mb[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten(), reduction="sum")
+            (loss / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def report(name: str, r: dict, recipe, tokens: int, args) -> str:
+    from dtensor3d.metrics import flops_per_token, peak_flops
+
+    tps = tokens / r["step_s"]
+    line = f"{name:22s} {tps:10,.0f} tok/s  {1000 * r['step_s']:8.0f} ms/step"
+    peak = peak_flops(torch.device(args.device)) if args.device == "cuda" else None
+    if peak:
+        flops = tps * flops_per_token(recipe.model, recipe.training.sequence_length)
+        mfu = flops / (peak * recipe.parallelism.world_size)
+        line += f"  MFU {100 * mfu:5.1f}%"
+    if recipe.parallelism.pp_enabled:
+        idle = ", ".join(f"{1 - b:.2f}" for b in r["busy"])
+        line += f"  idle per rank {idle} (bubble formula {bubble(recipe):.2f})"
+    if "compile" in name:
+        line += f"  (first step with compilation {r['first_step_s']:.0f} s)"
+    return line
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.overrides, args.steps, args.device, args.out)
+    t = BENCH["training"]
+    tokens, results = t["global_batch_size"] * t["sequence_length"], {}
+    print(f"model {BENCH['model']}, {tokens} tokens/step, median of steps 3..{args.steps}, device {args.device}")
+    for name, (ranks, overrides) in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        results[name] = run_variant(name, ranks, overrides, args)
+        print(report(name, results[name], bench_recipe(overrides, args.device), tokens, args), flush=True)
+    hf = hf_reference(args)
+    print(f"{'transformers (plain)':22s} {tokens / hf:10,.0f} tok/s  {1000 * hf:8.0f} ms/step")
+    for name in ("eager fp32", "compile fp32"):
+        if name in results:
+            print(f"ratio {name} / transformers: {hf / results[name]['step_s']:.2f}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    main()
