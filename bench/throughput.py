@@ -32,7 +32,10 @@ BENCH = {
     "training": dict(sequence_length=256, global_batch_size=8, micro_batch_size=2, steps=1000, eval_every=0),
     "optimizer": dict(lr=1e-4, warmup_steps=0, decay="constant"),
 }  # fmt: skip
-PP2 = ["parallelism.pp=2"]
+PP2 = ["parallelism.pp=2"]  # 4 layers, 4 microbatches of 2
+# pp 4: 8 layers (2 per stage under the multi-stage schedules) and 8 microbatches, for every schedule
+PP4 = ["parallelism.pp=4", "model.num_hidden_layers=8", "training.global_batch_size=16"]
+ENGINES = ("1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 VARIANTS = {  # name -> (ranks, overrides)
     "eager fp32": (1, []),
     "compile fp32": (1, ["training.compile=true"]),
@@ -43,6 +46,7 @@ VARIANTS = {  # name -> (ranks, overrides)
     "pp2 interleaved_1f1b": (2, [*PP2, "parallelism.pp_engine=interleaved_1f1b"]),
     "pp2 zbv": (2, [*PP2, "parallelism.pp_engine=zbv"]),
     "pp2 dualpipev": (2, [*PP2, "parallelism.pp_engine=dualpipev"]),
+    **{f"pp4 {engine}": (4, [*PP4, f"parallelism.pp_engine={engine}"]) for engine in ENGINES},
 }
 
 
@@ -140,9 +144,10 @@ def hf_reference(args) -> float:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def report(name: str, r: dict, recipe, tokens: int, args) -> str:
+def report(name: str, r: dict, recipe, args) -> str:
     from dtensor3d.metrics import flops_per_token, peak_flops
 
+    tokens = recipe.training.global_batch_size * recipe.training.sequence_length
     tps = tokens / r["step_s"]
     line = f"{name:22s} {tps:10,.0f} tok/s  {1000 * r['step_s']:8.0f} ms/step"
     peak = peak_flops(torch.device(args.device)) if args.device == "cuda" else None
@@ -171,12 +176,12 @@ def main() -> None:
         return worker(args.overrides, args.steps, args.device, args.out)
     t = BENCH["training"]
     tokens, results = t["global_batch_size"] * t["sequence_length"], {}
-    print(f"model {BENCH['model']}, {tokens} tokens/step, median of steps 3..{args.steps}, device {args.device}")
+    print(f"model {BENCH['model']}, {tokens} tokens/step (pp4: 8 layers, 2x tokens), median of steps 3..{args.steps}")
     for name, (ranks, overrides) in VARIANTS.items():
         if args.only and name not in args.only:
             continue
         results[name] = run_variant(name, ranks, overrides, args)
-        print(report(name, results[name], bench_recipe(overrides, args.device), tokens, args), flush=True)
+        print(report(name, results[name], bench_recipe(overrides, args.device), args), flush=True)
     hf = hf_reference(args)
     print(f"{'transformers (plain)':22s} {tokens / hf:10,.0f} tok/s  {1000 * hf:8.0f} ms/step")
     for name in ("eager fp32", "compile fp32"):

@@ -132,8 +132,9 @@ def test_bf16_the_fsdp2_way(one_rank, record_property):
 
 
 # bf16 against fp32 over 50 steps: bf16 keeps 8 mantissa bits (a relative rounding of 2**-9
-# per value); the loss, summed in fp32 from bf16 logits, stays within 2% of fp32's at every step.
-BF16_TOL = 2e-2
+# per value); the loss, summed in fp32 from bf16 logits, stays within 1e-3 of fp32's at every
+# step (measured: 1.1e-4 at world 1 under autocast and at dp 2 under FSDP2's policy).
+BF16_TOL = 1e-3
 FIFTY = ["training.steps=50", "training.eval_every=0"]
 
 
@@ -147,7 +148,7 @@ def test_bf16_tracks_fp32_over_50_steps(mesh, shared_run, record_property):
     print(f"bf16 {mesh}: worst |bf16 - fp32| / fp32 loss over 50 steps {max(rel):.2e}")
     record_property("max_rel_loss", max(rel))
     assert max(rel) <= BF16_TOL
-    assert max(rel) > 1e-4  # it really ran in bf16 (fp32 runs agree to ~1e-7)
+    assert max(rel) > 1e-5  # it really ran in bf16 (fp32 runs at any mesh agree to ~1e-7)
     assert bf16[-1]["loss"] < bf16[0]["loss"] - 0.1  # and learned
 
 
