@@ -144,6 +144,38 @@ def hf_reference(args) -> float:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def bench_loss(model, ids: torch.Tensor, bf16: bool) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def memory_table() -> list[str]:
+    """Parameter, gradient and activation bytes (kept from forward to backward, one microbatch)
+    of the bench model at world 1 for each recompute mode and dtype (bf16: autocast)."""
+    from dtensor3d.activations import kept_bytes
+    from dtensor3d.models import build_on_meta, materialize
+    from dtensor3d.models.layers import ModelHooks
+    from dtensor3d.train import init_weights
+
+    recipe, lines = bench_recipe([], "cpu"), []
+    t = recipe.training
+    ids = torch.randint(0, recipe.model.vocab_size, (t.micro_batch_size, t.sequence_length + 1))
+    for mode, dtype in (("none", "fp32"), ("full", "fp32"), ("selective", "fp32"), ("none", "bf16")):
+        model = materialize(build_on_meta(recipe.model, hooks=ModelHooks(recompute=mode)), "cpu")
+        init_weights(model, 0)
+        value, kept = kept_bytes(lambda m=model, b=dtype == "bf16": bench_loss(m, ids, b), model)
+        value.backward()
+        params = sum(p.nbytes for p in model.parameters())
+        grads = sum(p.grad.nbytes for p in model.parameters())
+        mib = [x / 2**20 for x in (params, grads, kept)]
+        lines.append(
+            f"recompute {mode:9s} {dtype}: params {mib[0]:.1f} MiB, grads {mib[1]:.1f} MiB, "
+            f"activations {mib[2]:.1f} MiB"
+        )
+    return lines
+
+
 def report(name: str, r: dict, recipe, args) -> str:
     from dtensor3d.metrics import flops_per_token, peak_flops
 
@@ -182,6 +214,8 @@ def main() -> None:
             continue
         results[name] = run_variant(name, ranks, overrides, args)
         print(report(name, results[name], bench_recipe(overrides, args.device), args), flush=True)
+    if not args.only:
+        print("\n".join(memory_table()), flush=True)
     hf = hf_reference(args)
     print(f"{'transformers (plain)':22s} {tokens / hf:10,.0f} tok/s  {1000 * hf:8.0f} ms/step")
     for name in ("eager fp32", "compile fp32"):
