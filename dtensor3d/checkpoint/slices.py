@@ -169,7 +169,7 @@ class SliceReader:
         """The region [start, start + size) of the full tensor `name`."""
         shape = self.shape(name)
         start, size = list(start or [0] * len(shape)), list(shape if size is None else size)
-        out, covered = torch.empty(size, dtype=self.dtype(name)), 0
+        out, covered = None, 0
         for s in self.index[name]["slices"]:
             lo = [max(a, b) for a, b in zip(start, s["offset"])]
             hi = [min(a + n, b + m) for a, n, b, m in zip(start, size, s["offset"], s["shape"])]
@@ -180,6 +180,9 @@ class SliceReader:
                     piece = f.get_slice(s["key"])[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, s["offset"]))]
                 else:
                     piece = f.get_tensor(s["key"])
+            if covered == 0 and lo == start and hi == [a + n for a, n in zip(start, size)]:
+                return piece  # one slice holds the whole region: no second buffer
+            out = torch.empty(size, dtype=piece.dtype) if out is None else out
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, start))] = piece
             covered += math.prod(b - a for a, b in zip(lo, hi))
         if covered != math.prod(size):
@@ -187,7 +190,7 @@ class SliceReader:
                 f"checkpoint {self.root}: the slices of {name} cover {covered} of the {math.prod(size)} "
                 f"elements at {start} size {size} (missing or overlapping slices)"
             )
-        return out
+        return out if out is not None else torch.empty(size, dtype=self.dtype(name))
 
 
 def full_index(root: str, files: dict[str, str]) -> dict[str, dict]:
