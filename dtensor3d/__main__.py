@@ -206,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         if command == "train":
             raise  # not a reader that stopped early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+    except KeyboardInterrupt:  # Ctrl-C before training's own handler is in place (setup, a check, prepare-data)
+        rank = os.environ.get("RANK", "0")
+        if not rank.strip().isdigit() or int(rank) == 0:
+            print(
+                f"interrupted: {command or 'dtensor3d'} stopped by Ctrl-C before it finished; nothing was saved",
+                file=sys.stderr,
+            )
+        return 130
     return 0
 
 
