@@ -108,9 +108,7 @@ def setup(recipe: Recipe) -> TrainState:
     init_weights(model, recipe.training.seed)
     t, p = recipe.training, recipe.parallelism
     loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length)
-    schedule = None
-    if p.pp_enabled:
-        schedule = pipeline.build_schedule(parts, mesh["pp"], device, p, recipe.num_microbatches, loss_fn)
+    schedule = pipeline.build_schedule(parts, mesh, device, p, recipe.num_microbatches, loss_fn)
     optimizer = build_optimizer([model], recipe.optimizer)
     params = [q for q in model.parameters() if q.requires_grad]
     weights = [1.0 / replication(q, dist.get_world_size(), p.pp) for q in params]

@@ -122,14 +122,16 @@ def merge_stages(parts: list[nn.Module]) -> nn.Module:
 
 
 def build_schedule(
-    parts: list[tuple[int, nn.Module]], pp_mesh, device: torch.device, parallelism, n_microbatches: int, loss_fn
+    parts: list[tuple[int, nn.Module]], mesh, device: torch.device, parallelism, n_microbatches: int, loss_fn
 ):
     """PipelineStages for this rank's (stage index, module) parts and the schedule named by
-    `pp_engine` (the multi-stage schedules take a list of stages).
+    `pp_engine` (the multi-stage schedules take a list of stages); None without pp.
 
     Gradients are not rescaled by the microbatch count: `loss_fn` already divides by the
     token count of the whole global batch."""
-    group, total = pp_mesh.get_group(), parallelism.pp_stages
+    if not parallelism.pp_enabled:
+        return None
+    group, total = mesh["pp"].get_group(), parallelism.pp_stages
     stages = [PipelineStage(module, index, total, device, group=group) for index, module in parts]
     schedule_cls = SCHEDULES[parallelism.pp_engine]
     first = stages if parallelism.stages_per_rank > 1 else stages[0]
