@@ -13,6 +13,7 @@ from conftest import PARITY, ROOT, train_metrics
 from test_parity import assert_parity, scheduled_lrs
 
 from dtensor3d.activations import kept_bytes
+from dtensor3d.errors import RecipeError
 from dtensor3d.mesh import build_mesh, init_distributed
 from dtensor3d.models import build_on_meta, materialize
 from dtensor3d.models.layers import ModelHooks
@@ -156,8 +157,8 @@ def test_bf16_tracks_fp32_over_50_steps(mesh, shared_run, record_property):
 COMPILE_TOL = 1e-4
 COMPILE_MESHES = {
     "world1": (1, []),
-    "dp2_tp2": (4, ["parallelism.dp=2", "parallelism.tp=2"]),
-    "pp2_tp2_1f1b": (4, ["parallelism.pp=2", "parallelism.tp=2", "parallelism.pp_engine=1f1b"]),
+    "dp2": (2, ["parallelism.dp=2"]),
+    "pp2_1f1b": (2, ["parallelism.pp=2", "parallelism.pp_engine=1f1b"]),
     "cp2": (2, ["parallelism.cp=2"]),
 }
 
@@ -185,6 +186,11 @@ def test_compile_parity_moe_ep2(tmp_path, record_property):
     eager = train_metrics(tmp_path / "eager", 1, [], moe)
     got = train_metrics(tmp_path / "compiled", 2, ["parallelism.ep=2", "training.compile=true"], moe)
     record_property("max_rel", assert_close(got, eager, COMPILE_TOL))
+
+
+def test_compile_with_tp_refused_at_the_door():
+    with pytest.raises(RecipeError, match="training.compile=true with parallelism.tp=2"):
+        load_recipe(PARITY, ["training.compile=true", "parallelism.tp=2", "parallelism.dp=2"])
 
 
 def test_compile_failure_names_the_block():

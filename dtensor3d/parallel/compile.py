@@ -6,6 +6,12 @@ with its DTensor layouts and checkpoint already in place, and FSDP's hooks stay 
 it. `Module.compile` keeps the module where it is, so parameter names do not change (no
 `_orig_mod.` prefix): checkpoints move between compiled and eager runs.
 
+A decoder layer with experts compiles only its attention: its routing (tokens per expert,
+`tolist`) has data-dependent shapes that recompile past dynamo's limit at every step, and
+dynamo loses `to_local` of the ep-sharded expert weights before grouped_mm.
+Tensor parallelism with compile is refused at the door (recipe.validate): compiled blocks
+with DTensor tp styles gave gradients unlike eager's.
+
 Compilation itself happens lazily, in the first forward and backward of each block. A
 block that fails to compile raises `CompileError` naming it; nothing falls back to eager.
 `compile_seconds` is the time torch spent compiling, for the one console line.
@@ -48,9 +54,15 @@ def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
     running the block eager (torch's default)."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for index, block in model.model.layers.items():
-        block.compile(backend=backend)
-        block._compiled_call_impl = _named_failures(block._compiled_call_impl, f"model.layers.{index}")
+        # A MoE layer: only its attention (routing has data-dependent shapes that recompile)
+        target, name = (block.self_attn, f"model.layers.{index}.self_attn") if _is_moe(block) else (block, None)
+        target.compile(backend=backend)
+        target._compiled_call_impl = _named_failures(target._compiled_call_impl, name or f"model.layers.{index}")
     return model
+
+
+def _is_moe(block: nn.Module) -> bool:
+    return getattr(block, "block_sparse_moe", None) is not None
 
 
 def compile_seconds() -> float:
