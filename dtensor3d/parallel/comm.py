@@ -39,12 +39,12 @@ KINDS = (
 INPUTS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")
 
 
-def _tensors(x):
+def tensors_in(x):
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (list, tuple)):
         for y in x:
-            yield from _tensors(y)
+            yield from tensors_in(y)
 
 
 def group_dims(mesh) -> dict[str, str]:
@@ -87,7 +87,7 @@ class CommCounter(TorchDispatchMode):
             group = (group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)).group_name
         dim = self.force or self.group_dims.get(group, "world")
         payload = next(values[n] for n in INPUTS if n in values)
-        sent = 0 if name.startswith("recv") else sum(t.numel() * t.element_size() for t in _tensors(payload))
+        sent = 0 if name.startswith("recv") else sum(t.numel() * t.element_size() for t in tensors_in(payload))
         self.bytes[dim][kind] += sent
 
     def result(self) -> dict[str, dict[str, int]]:

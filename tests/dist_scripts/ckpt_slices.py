@@ -26,6 +26,7 @@ from dtensor3d.checkpoint.resume import resume
 from dtensor3d.checkpoint.slices import SliceReader
 from dtensor3d.checkpoint.store import check_checkpoint
 from dtensor3d.datasets.sources import make_source
+from dtensor3d.parallel.comm import tensors_in
 from dtensor3d.recipe import load_recipe
 from dtensor3d.train import rank_batch, setup, train_step
 
@@ -44,16 +45,8 @@ class Collectives(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             self.ops[name] += 1
             if "allreduce" in name or "all_reduce" in name:
-                self.allreduce_elems += sum(t.numel() for t in _tensors(args))
+                self.allreduce_elems += sum(t.numel() for t in tensors_in(args))
         return func(*args, **(kwargs or {}))
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
 
 
 def counting(fn):
