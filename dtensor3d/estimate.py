@@ -1,6 +1,8 @@
 """What one training step costs each rank, from the recipe alone (no process group, no
 hardware): parameters, gradients, optimizer state, activations and peak memory per
-pipeline stage; FLOPs; bytes handed to each collective per mesh dim; the pipeline bubble.
+pipeline rank (its row "stage" is the pp coordinate; with several stages per rank --
+interleaved_1f1b, zbv, dualpipev -- a row sums the rank's stages, as schedule_model.py
+places them); FLOPs; bytes handed to each collective per mesh dim; the pipeline bubble.
 
 Parameters are counted exactly and without torch (plan runs before anything starts): each
 shape comes from dtensor3d/shapes.py (the model's table, checked against the meta model)
@@ -22,9 +24,11 @@ tests/dist_scripts/comm_bytes.py measures the same quantity by intercepting coll
 
 Activation memory is a model, not an exact count: the tensors autograd keeps per decoder
 layer (norm inputs and outputs in fp32, linear inputs, attention q/k/v/output/log-sum-exp,
-the SwiGLU intermediates), the last stage's log-probabilities and, under pp, what the
-schedule keeps (each stage's output per microbatch in flight; per microbatch of the step,
-receive buffers and the last stage's logits). bench/plan_accuracy.py measures it.
+the SwiGLU intermediates; under `recompute: full` only each layer's input, under
+`selective` the input and the matmul outputs), the last stage's log-probabilities and,
+under pp, what the schedule keeps (each stage's output per microbatch-stage in flight,
+schedule_model.in_flight; per microbatch of the step, receive buffers and the last
+stage's logits). bench/plan_accuracy.py measures it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ import math
 from dataclasses import dataclass
 
 from .recipe import stage_layers
+from .schedule_model import bubble_fraction as schedule_bubble
+from .schedule_model import in_flight as schedule_in_flight
+from .schedule_model import rank_stages, sends_per_microbatch, stage_rank
 from .shapes import flops_per_token, layer_of, param_shapes, tp_dim
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
@@ -63,12 +70,49 @@ def _unit_of(name: str) -> str:
     return f"layer {layer} experts" if ".experts." in name else f"layer {layer}"
 
 
-def param_table(recipe) -> dict[str, dict]:
-    """name -> {"stage", "unit", "group", "shape"} for every parameter of the model: its
-    pipeline stage, its FSDP unit (the root: embedding, final norm, head; each layer; each
-    layer's experts), that unit's FSDP group size and the parameter's tp / ep-local shape."""
+def virtual_layers(recipe) -> list[range]:
+    """The decoder layers of every global pipeline stage (pp x stages_per_rank of them:
+    balanced, or `pp_layers` with one stage per rank), as parallel/pipeline.split_stage cuts."""
     p, m = recipe.parallelism, recipe.model
-    layers = stage_layers(m.num_hidden_layers, p.pp, p.pp_layers)
+    if not p.pp_enabled:
+        return [range(m.num_hidden_layers)]
+    return stage_layers(m.num_hidden_layers, p.pp_stages, p.pp_layers if p.stages_per_rank == 1 else None)
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one pipeline rank holds: its global stages (in its schedule's order), each
+    stage's decoder layers, and whether it holds the first stage (the embedding) and the
+    last (final norm, head, loss)."""
+
+    rank: int
+    stages: tuple[int, ...]
+    stage_layers: tuple[range, ...]
+    first: bool
+    last: bool
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(i for r in self.stage_layers for i in r)
+
+
+def rank_parts(recipe) -> list[Part]:
+    """One Part per pp rank (interleaved_1f1b: stages r, r + pp, ...; zbv, dualpipev: r and 2 pp - 1 - r)."""
+    p, layers = recipe.parallelism, virtual_layers(recipe)
+    parts = []
+    for rank in range(p.pp):
+        stages = tuple(rank_stages(p, rank))
+        parts.append(Part(rank, stages, tuple(layers[s] for s in stages), 0 in stages, len(layers) - 1 in stages))
+    return parts
+
+
+def param_table(recipe) -> dict[str, dict]:
+    """name -> {"stage", "pp_stage", "unit", "group", "shape"} for every parameter of the
+    model: the pp rank that holds it ("stage", as plan's rows) and its global pipeline stage,
+    its FSDP unit (the root: embedding, final norm, head; each layer; each layer's experts),
+    that unit's FSDP group size and the parameter's tp / ep-local shape."""
+    p, m = recipe.parallelism, recipe.model
+    layers = virtual_layers(recipe)
     shard = (p.dp_shard if p.hsdp_enabled else p.dp) * p.cp  # hybrid: FSDP within dp_shard
     out = {}
     for name, shape in param_shapes(m).items():
@@ -76,15 +120,16 @@ def param_table(recipe) -> dict[str, dict]:
         if layer is not None:
             stage = next(i for i, r in enumerate(layers) if layer in r)
         else:
-            stage = 0 if name.startswith("model.embed_tokens") else p.pp - 1
+            stage = 0 if name.startswith("model.embed_tokens") else len(layers) - 1
         unit = _unit_of(name)
         group = shard if unit.endswith("experts") else p.ep * shard
-        out[name] = {"stage": stage, "unit": unit, "group": group, "shape": _local_shape(recipe, name, shape)}
+        row = {"stage": stage_rank(p, stage), "pp_stage": stage, "unit": unit, "group": group}
+        out[name] = row | {"shape": _local_shape(recipe, name, shape)}
     return out
 
 
 def stage_units(recipe) -> list[dict[str, dict]]:
-    """Per pipeline stage: {unit: {"group": FSDP group size, "shapes": [tp/ep-local shapes]}}."""
+    """Per pp rank: {unit: {"group": FSDP group size, "shapes": [tp/ep-local shapes]}}."""
     stages: list[dict[str, dict]] = [{} for _ in range(recipe.parallelism.pp)]
     for row in param_table(recipe).values():
         entry = stages[row["stage"]].setdefault(row["unit"], {"group": row["group"], "shapes": []})
@@ -186,53 +231,109 @@ def layer_activation_bytes(recipe, moe: bool) -> int:
     return norms + attention + experts + shared
 
 
-def stage_activation_bytes(recipe, stage: int, layers: range) -> tuple[int, int]:
-    """(bytes kept per microbatch, bytes alive once per step: recomputation's one layer)."""
+def selective_layer_bytes(recipe, moe: bool) -> int:
+    """Bytes `recompute: selective` keeps for one decoder layer and one microbatch: the
+    checkpoint's input (the fp32 residual stream) and the outputs of the ops
+    models/layers.MATMUL_OPS names -- q/k/v/o projections, attention's output and
+    log-sum-exp, the feed-forward's gate/up/down (an MoE layer's router, experts and shared
+    expert) -- in the compute dtype; norms, RoPE, SiLU and products are recomputed."""
+    z, m = sizes(recipe), recipe.model
+    residual = z.seq_tokens * z.hidden * FP32
+    attention = (
+        z.tokens * (z.q_width + 2 * z.kv_width) * z.compute  # q, k, v projections
+        + z.tokens * z.q_width * z.compute  # attention output
+        + z.heads * z.tokens * FP32  # its log-sum-exp
+        + z.tokens * z.hidden * z.compute  # o_proj
+    )
+    if not moe:
+        return residual + attention + z.tokens * (2 * z.inter + z.hidden) * z.compute
+    routed = z.tokens * m.num_experts_per_tok
+    experts = z.tokens * m.num_local_experts * z.compute + routed * (2 * m.intermediate_size + z.hidden) * z.compute
+    shared = z.tokens * (2 * m.shared_expert_intermediate_size + z.hidden) * z.compute
+    return residual + attention + experts + (shared if m.shared_expert_intermediate_size else 0)
+
+
+def layers_activation_bytes(recipe, layers) -> tuple[int, int]:
+    """(bytes these decoder layers keep per microbatch, bytes alive once while one layer is
+    recomputed in backward) under the recipe's recompute mode: none keeps every layer's
+    activations; full keeps each layer's input and recomputes the rest; selective keeps the
+    input and the matmul outputs and recomputes the rest."""
     p, z = recipe.parallelism, sizes(recipe)
     n_moe = _moe_layers(recipe, layers)
-    full = [layer_activation_bytes(recipe, True)] * n_moe + [layer_activation_bytes(recipe, False)] * (
-        len(layers) - n_moe
-    )
-    if p.recompute == "full":
-        kept, once = len(layers) * z.seq_tokens * z.hidden * FP32, max(full, default=0)
-    else:
-        kept, once = sum(full), 0
-    if stage == 0:
+    kinds = [True] * n_moe + [False] * (len(layers) - n_moe)
+    full = [layer_activation_bytes(recipe, moe) for moe in kinds]
+    match p.recompute:
+        case "full":
+            return len(layers) * z.seq_tokens * z.hidden * FP32, max(full, default=0)
+        case "selective":
+            kept = [selective_layer_bytes(recipe, moe) for moe in kinds]
+            return sum(kept), max((f - k for f, k in zip(full, kept)), default=0)
+    return sum(full), 0
+
+
+def virtual_stage_bytes(recipe, layers: range, first: bool, last: bool) -> tuple[int, int]:
+    """(bytes one global stage keeps per microbatch, bytes alive once: recomputation's layer)."""
+    p, z = recipe.parallelism, sizes(recipe)
+    kept, once = layers_activation_bytes(recipe, layers)
+    if first:
         kept += z.tokens * 8  # the embedding keeps its int64 indices
-    if stage == p.pp - 1:  # final norm, the head's input, log-probabilities and their gradient
+    if last:  # final norm, the head's input, log-probabilities and their gradient
         kept += 2 * z.seq_tokens * z.hidden * FP32 + _linear_inputs(z, 1) + 2 * z.tokens * z.vocab * FP32
     elif p.pp_enabled:  # the stage's output, which the schedule keeps for the microbatch's backward
         kept += z.seq_tokens * z.hidden * FP32
-    return kept, once + pipeline_buffer_bytes(recipe, stage)
+    return kept, once
 
 
-def pipeline_buffer_bytes(recipe, stage: int) -> int:
-    """What torch.distributed.pipelining holds for the whole step, whatever is in flight: a
-    receive buffer per microbatch for the stage's input (all but the first stage) and for its
-    output's gradient (all but the last), made once and kept; and on the last stage every
+def stage_activation_bytes(recipe, part: Part) -> tuple[int, int, int]:
+    """(bytes one microbatch leaves on this pp rank through all its stages, bytes of the
+    microbatch-stages in flight at the peak, bytes alive once per step: recomputation's one
+    layer and the pipeline's buffers). With several stages per rank the last stage never has
+    more than one microbatch in flight (schedule_model.in_flight): the peak is bounded by the
+    last stage's one microbatch and the rest of the in-flight count at the largest other stage."""
+    last_index = len(virtual_layers(recipe)) - 1
+    per_stage = [
+        virtual_stage_bytes(recipe, layers, s == 0, s == last_index)
+        for s, layers in zip(part.stages, part.stage_layers)
+    ]
+    kept = [k for k, _ in per_stage]
+    flight = in_flight(recipe, part.rank)
+    others = [k for s, k in zip(part.stages, kept) if s != last_index]
+    if part.last and others:
+        peak = kept[part.stages.index(last_index)] + (flight - 1) * max(others)
+    else:
+        peak = max(kept) * flight
+    once = max(o for _, o in per_stage) + pipeline_buffer_bytes(recipe, part)
+    return sum(kept), peak, once
+
+
+def pipeline_buffer_bytes(recipe, part: Part) -> int:
+    """What torch.distributed.pipelining holds for the whole step, whatever is in flight: for
+    each of the rank's stages a receive buffer per microbatch for its input (all but the first
+    stage) and for its output's gradient (all but the last), made once and kept (a V's
+    same-rank hand-over keeps the tensor in that buffer alike); and with the last stage every
     microbatch's output (the logits), which the schedule keeps until the next step."""
     p, z, m = recipe.parallelism, sizes(recipe), recipe.num_microbatches
     if not p.pp_enabled:
         return 0
-    residual = z.seq_tokens * z.hidden * FP32
-    held = m * residual * ((stage > 0) + (stage < p.pp - 1))
-    if stage == p.pp - 1:
+    residual, last = z.seq_tokens * z.hidden * FP32, p.pp_stages - 1
+    held = sum(m * residual * ((s > 0) + (s < last)) for s in part.stages)
+    if part.last:
         held += m * z.tokens * z.vocab * z.compute
     return held
 
 
-def in_flight(recipe, stage: int) -> int:
-    """Microbatches whose activations a stage holds at once: 1f1b min(m, pp - stage), afab m."""
-    p, m = recipe.parallelism, recipe.num_microbatches
-    if not p.pp_enabled:
-        return 1
-    return min(m, p.pp - stage) if p.pp_engine == "1f1b" else m
+def in_flight(recipe, pp_rank: int) -> int:
+    """Microbatch-stages whose activations pp rank `pp_rank` holds at once, per schedule
+    (schedule_model.in_flight: 1f1b min(m, pp - r), afab m, interleaved, zbv, dualpipev)."""
+    return schedule_in_flight(recipe.parallelism, recipe.num_microbatches, pp_rank)
 
 
 def bubble_fraction(recipe) -> float:
-    """Idle share of a pipeline step: (p - 1) / (m + p - 1) for 1f1b and afab."""
-    p, m = recipe.parallelism.pp, recipe.num_microbatches
-    return (p - 1) / (m + p - 1)
+    """Idle share of a pipeline step, per schedule (schedule_model.bubble_fraction: 1f1b and
+    afab (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1), zbv, dualpipev)."""
+    if not recipe.parallelism.pp_enabled:
+        return 0.0
+    return schedule_bubble(recipe.parallelism, recipe.num_microbatches)
 
 
 # -- communication -----------------------------------------------------------------------
@@ -279,7 +380,7 @@ def _add(total: dict, part: dict, times: int = 1) -> None:
         total[kind] = total.get(kind, 0) + n * times
 
 
-def tp_bytes(recipe, stage: int, layers: range) -> dict[str, int]:
+def tp_bytes(recipe, part: Part) -> dict[str, int]:
     """Per step: DTensor collectives of the tp plan (parallel/tensor.py), per microbatch:
     each layer's (and, with recompute, its forward's again), the embedding's, the head's
     and loss_parallel's three all-reduces over the tokens (max, sum of exp, target logit);
@@ -288,7 +389,7 @@ def tp_bytes(recipe, stage: int, layers: range) -> dict[str, int]:
     p, z = recipe.parallelism, sizes(recipe)
     if not p.tp_enabled:
         return _kinds()
-    per_micro: dict[str, int] = {}
+    layers, per_micro = part.layers, {}
     n_moe = _moe_layers(recipe, layers)
     for moe, count in ((True, n_moe), (False, len(layers) - n_moe)):
         fwd, bwd = _tp_layer(recipe, moe)
@@ -297,12 +398,12 @@ def tp_bytes(recipe, stage: int, layers: range) -> dict[str, int]:
         if p.recompute == "full":
             _add(per_micro, _tp_replay(recipe, fwd, moe), count)
     full_f, part_f = z.tokens * z.hidden * FP32, z.seq_tokens * z.hidden * FP32
-    if stage == 0:  # vocab-parallel embedding: its partial output is reduced
+    if part.first:  # vocab-parallel embedding: its partial output is reduced
         _add(
             per_micro,
             {"reduce_scatter": full_f, "all_gather": part_f} if p.sequence_parallel else {"all_reduce": full_f},
         )
-    if stage == p.pp - 1:  # column-parallel head; loss_parallel's reductions
+    if part.last:  # column-parallel head; loss_parallel's reductions
         _add(
             per_micro,
             {"all_gather": part_f, "reduce_scatter": full_f} if p.sequence_parallel else {"all_reduce": full_f},
@@ -310,7 +411,7 @@ def tp_bytes(recipe, stage: int, layers: range) -> dict[str, int]:
         _add(per_micro, {"all_reduce": 3 * z.tokens * FP32})
     per_step = {k: n * recipe.num_microbatches for k, n in per_micro.items()}
     if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
-        norms = 2 * len(layers) + (stage == p.pp - 1)
+        norms = 2 * len(layers) + part.last
         _add(per_step, {"all_reduce": norms * z.hidden * FP32})
     return _kinds(**per_step)
 
@@ -338,15 +439,16 @@ def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
     return _kinds()
 
 
-def pp_bytes(recipe, stage: int) -> dict[str, int]:
-    """Per step: each microbatch's fp32 residual stream sent to the next stage and its
-    gradient to the previous one."""
-    p, z = recipe.parallelism, sizes(recipe)
-    sends = (stage < p.pp - 1) + (stage > 0)
+def pp_bytes(recipe, part: Part) -> dict[str, int]:
+    """Per step: each microbatch's fp32 residual stream sent from each of the rank's stages
+    to the next stage and its gradient to the previous one, where that stage is on another
+    rank (schedule_model.sends_per_microbatch)."""
+    z = sizes(recipe)
+    sends = sends_per_microbatch(recipe.parallelism, part.rank)
     return _kinds(send_recv=sends * recipe.num_microbatches * z.seq_tokens * z.hidden * FP32)
 
 
-def cp_bytes(recipe, layers: range, backend: str) -> dict[str, int]:
+def cp_bytes(recipe, layers: list[int], backend: str) -> dict[str, int]:
     """Per step: each attention all-gathers its k and v (again under recompute); backward
     reduce-scatters their gradients (gloo: all-reduces them). MoE layers all-reduce their
     routing sums (2E + 1 floats) forward and backward."""
@@ -363,7 +465,7 @@ def cp_bytes(recipe, layers: range, backend: str) -> dict[str, int]:
     return _kinds(**{k: n * recipe.num_microbatches for k, n in per_micro.items()})
 
 
-def ep_bytes(recipe, layers: range) -> dict[str, int]:
+def ep_bytes(recipe, layers: list[int]) -> dict[str, int]:
     """Per step, expected under uniform routing: per MoE layer and forward the int64 token
     counts (E), the routed tokens out (fp32) and back (compute dtype); backward the same
     two ways for the gradients."""
@@ -383,22 +485,20 @@ def world_bytes(recipe) -> dict[str, int]:
 
 
 def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, int]]]:
-    """Per pipeline stage: {dim: {kind: bytes, "total": bytes}} each rank of that stage hands
-    to collectives in one steady-state step. backend: "gloo" or "nccl" (default: from
+    """Per pp rank: {dim: {kind: bytes, "total": bytes}} each rank with that pp coordinate
+    hands to collectives in one steady-state step. backend: "gloo" or "nccl" (default: from
     training.device; cp's backward differs). This is the count tests compare with
     tests/dist_scripts/comm_bytes.py."""
-    p, m = recipe.parallelism, recipe.model
     backend = backend or ("gloo" if recipe.training.device == "cpu" else "nccl")
-    layers = stage_layers(m.num_hidden_layers, p.pp, p.pp_layers)
     out = []
-    for stage, units in enumerate(stage_units(recipe)):
+    for part, units in zip(rank_parts(recipe), stage_units(recipe)):
         out.append(
             {
-                "tp": tp_bytes(recipe, stage, layers[stage]),
+                "tp": tp_bytes(recipe, part),
                 "dp": dp_bytes(recipe, units),
-                "pp": pp_bytes(recipe, stage),
-                "cp": cp_bytes(recipe, layers[stage], backend),
-                "ep": ep_bytes(recipe, layers[stage]),
+                "pp": pp_bytes(recipe, part),
+                "cp": cp_bytes(recipe, part.layers, backend),
+                "ep": ep_bytes(recipe, part.layers),
                 "world": world_bytes(recipe),
             }
         )
@@ -426,23 +526,26 @@ def _fsdp_working_bytes(recipe, numels: dict[str, tuple[int, int]]) -> int:
     return FP32 * (2 * root + sum(blocks[:2]) + grads)
 
 
-def stage_estimate(recipe, stage: int, units: dict[str, dict], layers: range) -> dict:
-    """One stage's row of the estimate (per rank of that stage)."""
+def stage_estimate(recipe, part: Part, units: dict[str, dict]) -> dict:
+    """One pp rank's row of the estimate (per rank with that pp coordinate; "stage" is the
+    pp rank, "pp_stages" the global stages it holds, "stage_layers" their layer spans)."""
     numels = unit_numels(recipe, units)
     params = sum(held for held, _ in numels.values())
     tensors = sum(len(u["shapes"]) for u in units.values())
-    per_micro, once = stage_activation_bytes(recipe, stage, layers)
-    flight = in_flight(recipe, stage)
+    per_micro, in_flight_bytes, once = stage_activation_bytes(recipe, part)
+    layers = part.layers
     row = {
-        "stage": stage,
-        "layers": [layers.start, layers.stop - 1] if len(layers) else [],
+        "stage": part.rank,
+        "pp_stages": list(part.stages),
+        "layers": [layers[0], layers[-1]] if layers else [],
+        "stage_layers": [[r.start, r.stop - 1] if len(r) else [] for r in part.stage_layers],
         "params": params,
         "param_bytes": params * FP32,
         "grad_bytes": params * FP32,
         "optimizer_bytes": 2 * params * FP32 + tensors * FP32,  # exp_avg, exp_avg_sq; a step scalar each
         "activation_bytes_per_microbatch": per_micro,
-        "microbatches_in_flight": flight,
-        "activation_bytes": per_micro * flight + once,
+        "microbatches_in_flight": in_flight(recipe, part.rank),
+        "activation_bytes": in_flight_bytes + once,
     }
     row["peak_bytes"] = (
         row["param_bytes"]
@@ -467,13 +570,12 @@ def _busiest(per_stage: list[dict]) -> dict:
 
 def estimate(recipe, peak_tflops: float | None = None, mfu: float = 0.4, backend: str | None = None) -> dict:
     """The whole estimate (the JSON under `plan --json`'s key "estimate")."""
-    p, m, t = recipe.parallelism, recipe.model, recipe.training
-    layers = stage_layers(m.num_hidden_layers, p.pp, p.pp_layers)
+    p, t = recipe.parallelism, recipe.training
     comm = comm_bytes(recipe, backend)
     stages = []
-    for stage, units in enumerate(stage_units(recipe)):
-        row = stage_estimate(recipe, stage, units, layers[stage])
-        row["comm_bytes_per_step"] = comm[stage]
+    for part, units in zip(rank_parts(recipe), stage_units(recipe)):
+        row = stage_estimate(recipe, part, units)
+        row["comm_bytes_per_step"] = comm[part.rank]
         stages.append(row)
     out = {
         "stages": stages,

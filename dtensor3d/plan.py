@@ -77,6 +77,13 @@ def _layout_lines(recipe, plan: dict) -> list[str]:
     return lines
 
 
+def _span(layers: list[int]) -> str:
+    """A stage's layers as text: "0-1", "2" (one layer) or "-" (none)."""
+    if not layers:
+        return "-"
+    return str(layers[0]) if layers[0] == layers[1] else f"{layers[0]}-{layers[1]}"
+
+
 def _estimate_lines(recipe, est: dict) -> list[str]:
     p = recipe.parallelism
     lines = [
@@ -87,13 +94,16 @@ def _estimate_lines(recipe, est: dict) -> list[str]:
         f"{'activations (in flight)':>29}  {'peak':>10}",
     ]
     for s in est["stages"]:
-        span = f"{s['layers'][0]}-{s['layers'][1]}" if s["layers"] else "-"
+        span = ",".join(_span(r) for r in s["stage_layers"]) or "-"
         lines.append(
             f"{s['stage']:>5}  {span:<8} {s['params']:>13,}  {_size(s['param_bytes']):>10}  "
             f"{_size(s['grad_bytes']):>10}  {_size(s['optimizer_bytes']):>10}  "
             f"{_size(s['activation_bytes']):>22} ({s['microbatches_in_flight']:>4})  {_size(s['peak_bytes']):>10}"
         )
-    lines.append(f"flops per step {est['flops_per_step']:.3e}; pipeline bubble {100 * est['bubble_fraction']:.1f}%")
+    lines.append(
+        f"flops per step {est['flops_per_step']:.3e}; pipeline bubble {100 * est['bubble_fraction']:.1f}% "
+        f"({p.pp_engine})"
+    )
     lines.append("bytes one rank hands to collectives per step, by mesh dim (the busiest stage):")
     for dim, kinds in est["comm_bytes_per_step"].items():
         parts = ", ".join(f"{k} {_size(n)}" for k, n in kinds.items() if n and k != "total")

@@ -96,3 +96,161 @@ def test_estimate_equals_measured(name):
         if rank["coords"]["dp"] == rank["coords"]["cp"] == rank["coords"]["ep"] == 0:
             for key in ("params", "param_bytes", "grad_bytes", "optimizer_bytes"):
                 assert rank[key] == stages[stage][key], (key, rank["rank"])
+
+
+# -- pipeline schedules: the closed forms of dtensor3d/schedule_model.py against torch's orders --
+
+
+def torch_order(p, m: int) -> dict[int, list]:
+    """{pp rank: its compute actions in order} as torch's schedule class for the recipe's
+    pp_engine computes them (its own _calculate_single_rank_operations / _get_pipeline_order,
+    called on a stand-in object: no process group, no stages). 1f1b's runtime does not follow
+    its IR: its order is written from Schedule1F1B._step_microbatches (min(m, pp - r) warmup
+    forwards, then backward-forward pairs, then the remaining backwards)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _Action
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    from dtensor3d.parallel.pipeline import SCHEDULES
+
+    if p.pp_engine == "1f1b":
+        out = {}
+        for r in range(p.pp):
+            warm = min(m, p.pp - r)
+            acts = [_Action(r, C.FORWARD, i) for i in range(warm)]
+            for i in range(m):
+                acts.append(_Action(r, C.FULL_BACKWARD, i))
+                acts += [_Action(r, C.FORWARD, i + warm)] if i + warm < m else []
+            out[r] = acts
+        return out
+    v, rounds = p.stages_per_rank, max(1, m // p.pp)
+    fake = SimpleNamespace(
+        pp_group_size=p.pp, n_local_stages=v, microbatches_per_round=m // rounds, _n_microbatches=m,
+        num_stages=v * p.pp, _num_stages=p.pp,
+    )  # fmt: skip
+    cls = SCHEDULES[p.pp_engine].__mro__[-3] if p.pp_engine != "afab" else SCHEDULES["afab"]
+    if p.pp_engine == "afab":
+        order = cls._get_pipeline_order(fake)
+    else:
+        cls = next(k for k in SCHEDULES[p.pp_engine].__mro__ if "_calculate_single_rank_operations" in k.__dict__)
+        order = {r: cls._calculate_single_rank_operations(fake, r) for r in range(p.pp)}
+    return {
+        r: [a for a in acts if a is not None and a.computation_type.name != "REDUCE_GRAD"] for r, acts in order.items()
+    }
+
+
+def compute_actions(actions):
+    """Sub-actions of overlapped F+B in order (F first), the rest as they are."""
+    for a in actions:
+        yield from a.sub_actions or (a,)
+
+
+def peaks_in_flight(actions) -> tuple[int, dict[int, int]]:
+    """(most forwards whose full backward or weight backward has not run, the same per stage)."""
+    total, best, per, best_per = 0, 0, {}, {}
+    for a in compute_actions(actions):
+        kind, s = a.computation_type.name, a.stage_index
+        step = 1 if kind == "FORWARD" else -1 if kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT") else 0
+        total, per[s] = total + step, per.get(s, 0) + step
+        best, best_per[s] = max(best, total), max(best_per.get(s, 0), per[s])
+    return best, best_per
+
+
+COST = {"FORWARD": 1, "BACKWARD_INPUT": 1, "BACKWARD_WEIGHT": 1, "FULL_BACKWARD": 2}
+
+
+def idle_share(order: dict[int, list], stages: int) -> float:
+    """Run the order with unit costs (schedule_model's cost model): each rank takes its next
+    action when its inputs are done; the idle share of the makespan, equal on every rank."""
+    acts = {r: list(compute_actions(a)) for r, a in order.items()}
+    done, free, pos = {}, dict.fromkeys(acts, 0), dict.fromkeys(acts, 0)
+    while any(pos[r] < len(acts[r]) for r in acts):
+        moved = False
+        for r in acts:
+            while pos[r] < len(acts[r]):
+                a = acts[r][pos[r]]
+                kind, s, i = a.computation_type.name, a.stage_index, a.microbatch_index
+                if kind == "FORWARD":
+                    key, deps = ("F", s, i), [("F", s - 1, i)] if s else []
+                elif kind == "BACKWARD_WEIGHT":
+                    key, deps = ("W", s, i), [("B", s, i)]
+                else:
+                    key, deps = ("B", s, i), [("F", s, i)] + ([("B", s + 1, i)] if s < stages - 1 else [])
+                if any(d not in done for d in deps):
+                    break
+                free[r] = done[key] = max([free[r]] + [done[d] for d in deps]) + COST[kind]
+                pos[r], moved = pos[r] + 1, True
+        assert moved, "the order deadlocks"
+    busy = {r: sum(COST[a.computation_type.name] for a in acts[r]) for r in acts}
+    assert len(set(busy.values())) == 1
+    return 1 - busy[0] / max(free.values())
+
+
+def count_sends(p, r: int, actions) -> int:
+    """Residual-stream sends of rank r: a forward to a next stage, a backward to a previous
+    stage, held by another rank."""
+    from dtensor3d.schedule_model import stage_rank
+
+    sends, last = 0, p.pp_stages - 1
+    for a in compute_actions(actions):
+        kind, s = a.computation_type.name, a.stage_index
+        if kind == "FORWARD":
+            sends += s < last and stage_rank(p, s + 1) != r
+        elif kind in ("FULL_BACKWARD", "BACKWARD_INPUT"):
+            sends += s > 0 and stage_rank(p, s - 1) != r
+    return sends
+
+
+def schedule_cases():
+    from dtensor3d.recipe import ParallelismConfig, _micro_ok
+
+    for engine, vs in (("1f1b", [0]), ("afab", [0]), ("interleaved_1f1b", [2, 3, 4]), ("zbv", [0]), ("dualpipev", [0])):
+        for pp in (2, 3, 4, 8):
+            for v in vs:
+                p = ParallelismConfig(pp=pp, pp_engine=engine, pp_virtual_stages=v)
+                for m in range(1 if engine == "afab" else pp, 3 * pp + 2):
+                    if p.stages_per_rank == 1 or _micro_ok(p, m):
+                        yield p, m
+
+
+def test_schedule_formulas_match_torch_orders():
+    """For every schedule, pp 2/3/4/8, v 2-4 (interleaved) and every microbatch count the
+    door lets through up to 3 pp + 1: the stages each rank runs, the microbatch-stages in
+    flight (the last stage never more than one), the sends per microbatch and the bubble
+    under the unit cost model equal schedule_model's closed forms exactly."""
+    from dtensor3d.parallel.pipeline import local_stages
+    from dtensor3d.schedule_model import bubble_fraction, in_flight, rank_stages, sends_per_microbatch
+
+    checked = 0
+    for p, m in schedule_cases():
+        order, last = torch_order(p, m), p.pp_stages - 1
+        for r, actions in order.items():
+            assert rank_stages(p, r) == local_stages(r, p)
+            assert {a.stage_index for a in compute_actions(actions)} == set(rank_stages(p, r))
+            total, per_stage = peaks_in_flight(actions)
+            assert in_flight(p, m, r) == total, (p.pp_engine, p.pp, p.stages_per_rank, m, r)
+            assert per_stage.get(last, 0) <= 1 or p.pp_engine == "afab"
+            sends = count_sends(p, r, actions)
+            assert sends == m * sends_per_microbatch(p, r)
+        assert bubble_fraction(p, m) == pytest.approx(idle_share(order, p.pp_stages), abs=1e-12), (p.pp_engine, m)
+        checked += 1
+    assert checked > 100
+
+
+def test_schedule_formulas_by_hand():
+    """A few values worked out on paper from torch's orders (pp 4, 8 microbatches)."""
+
+    def est(engine, *more):
+        overrides = ["parallelism.pp=4", f"parallelism.pp_engine={engine}", "training.global_batch_size=8"]
+        return recipe(*overrides, "model.num_hidden_layers=16", *more)
+
+    assert bubble_fraction(est("interleaved_1f1b")) == pytest.approx(3 / 19)  # (p-1)/(v m + p-1)
+    assert bubble_fraction(est("interleaved_1f1b", "parallelism.pp_virtual_stages=4")) == pytest.approx(3 / 35)
+    assert bubble_fraction(est("zbv")) == pytest.approx(3 / 51)  # i = 3 idle units of 6 m + i
+    assert bubble_fraction(est("dualpipev")) == pytest.approx(3 / 51)
+    assert bubble_fraction(est("afab")) == bubble_fraction(est("1f1b")) == pytest.approx(3 / 11)
+    # interleaved v 2, 2 rounds of 4: warmup 4 + 2 (3 - r) forwards, then one more before the first backward
+    assert [in_flight(est("interleaved_1f1b"), r) for r in range(4)] == [11, 9, 7, 5]
+    assert [in_flight(est("zbv"), r) for r in range(4)] == [8, 8, 8, 8]
+    assert [in_flight(est("dualpipev"), r) for r in range(4)] == [9, 9, 9, 9]
