@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -96,49 +97,135 @@ def test_data_path_with_synthetic_data_is_refused(tmp_path):
     assert "data.kind is 'synthetic'" in one_error_line(proc)
 
 
-@pytest.fixture
-def prepared(tmp_path):
-    (tmp_path / "in").mkdir()
+@pytest.fixture(scope="module")
+def prepared_once(tmp_path_factory):
+    """One prepared directory (byte tokenizer: vocabulary 257; 30 documents, 7,030 training
+    tokens, none held out at --val-fraction 0.005) that each case below copies and breaks."""
+    root = tmp_path_factory.mktemp("prepared")
+    (root / "in").mkdir()
     for i in range(30):
-        (tmp_path / "in" / f"{i}.txt").write_text(f"document {i} " * 20)
-    out = tmp_path / "data"
-    assert main(["prepare-data", str(tmp_path / "in"), "--out", str(out), "--tokenizer", "byte", "--no-progress"]) == 0
+        (root / "in" / f"{i}.txt").write_text(f"document {i} " * 20)
+    out = root / "data"
+    assert main(["prepare-data", str(root / "in"), "--out", str(out), "--tokenizer", "byte", "--no-progress"]) == 0
     return out
 
 
-def test_prepared_directory_problems(prepared):
-    vocab = "model.vocab_size=264"
-    assert "257 tokens, more than model.vocab_size=256" in refused(prepared, NO_EVAL)
-    assert "fewer validation tokens" in refused(prepared, vocab, commands=("validate",))  # val-fraction 0.005
-    assert "fewer than one sample" in refused(
-        prepared, vocab, NO_EVAL, "training.sequence_length=8192", "model.max_position_embeddings=100000"
-    )
-    shard = prepared / "train_00000.bin"
-    data = shard.read_bytes()
-    shard.write_bytes(data[:-2] + bytes([data[-2] ^ 1, data[-1]]))  # same size, other bytes
-    assert "sha256" in one_error_line(
-        run(
-            sys.executable,
-            "-m",
-            "dtensor3d",
-            "validate",
-            PARITY,
-            "data.kind=tokens",
-            f"data.path={prepared}",
-            vocab,
-            NO_EVAL,
-        )
-    )
-    shard.write_bytes(data[:-2])
-    assert "truncated" in refused(prepared, vocab, NO_EVAL)
-    shard.unlink()
-    assert "train_00000.bin is missing" in refused(prepared, vocab, NO_EVAL)
-    (prepared / "meta.json").write_text("{not json")
-    assert "meta.json: unreadable" in refused(prepared, vocab, NO_EVAL)
-    (prepared / "meta.json").unlink()
-    assert "no meta.json" in refused(prepared, vocab, NO_EVAL)
+def _flip_last_byte(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, other bytes
 
 
-def test_meta_records_what_the_door_reads(prepared):
-    meta = json.loads((prepared / "meta.json").read_text())
+def _write(name: str, text: str):
+    return lambda d: (d / name).write_text(text)
+
+
+def _truncate(name: str):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:-2])
+
+
+VOCAB = "model.vocab_size=264"
+# Issue 10 item 2, one failure at a time: (id, how to break the copy, overrides, words of the
+# error line, the key or file it must name ("{d}": the directory), the commands that refuse).
+# The sha256 is only read by validate (and launch.sh, which runs it); train checks sizes.
+LAUNCH, CHECKS = ("validate", "train", "launch.sh"), ("validate", "launch.sh")
+DIR_CASES = [
+    ("dir_missing", "missing", [VOCAB, NO_EVAL], "no such file or directory", "data.path '{d}'", LAUNCH),
+    ("meta_missing", lambda d: (d / "meta.json").unlink(), [VOCAB, NO_EVAL], "no meta.json", "{d}", LAUNCH),
+    ("meta_bad_json", _write("meta.json", "{not json"), [VOCAB, NO_EVAL], "unreadable", "{d}/meta.json", LAUNCH),
+    (
+        "meta_no_splits",
+        _write("meta.json", '{"vocab_size": 257, "dtype": "uint16"}'),
+        [VOCAB, NO_EVAL],
+        "unreadable (KeyError",
+        "{d}/meta.json",
+        LAUNCH,
+    ),
+    (
+        "shard_size",
+        _truncate("train_00000.bin"),
+        [VOCAB, NO_EVAL],
+        "bytes, but meta.json records",
+        "{d}/train_00000.bin",
+        LAUNCH,
+    ),
+    (
+        "offsets_size",
+        _truncate("train_docs.bin"),
+        [VOCAB, NO_EVAL],
+        "bytes, but meta.json records",
+        "{d}/train_docs.bin",
+        LAUNCH,
+    ),
+    (
+        "shard_missing",
+        lambda d: (d / "train_00000.bin").unlink(),
+        [VOCAB, NO_EVAL],
+        "train_00000.bin is missing",
+        "{d}",
+        LAUNCH,
+    ),
+    (
+        "shard_sha256",
+        lambda d: _flip_last_byte(d / "train_00000.bin"),
+        [VOCAB, NO_EVAL],
+        "sha256 differs",
+        "{d}/train_00000.bin",
+        CHECKS,
+    ),
+    ("vocab_too_large", None, [NO_EVAL], "257 tokens, more than model.vocab_size=256", "model.vocab_size", LAUNCH),
+    (
+        "fewer_than_one_sample",
+        None,
+        [VOCAB, NO_EVAL, "training.sequence_length=8192", "model.max_position_embeddings=100000"],
+        "holds 7030 training tokens, fewer than one sample",
+        "training.sequence_length",
+        LAUNCH,
+    ),
+    ("no_validation_windows", None, [VOCAB], "fewer validation tokens", "data.validation", CHECKS),
+]
+
+
+def refuse_each(data, extra, commands, run_dir, capsys) -> str:
+    """Each command's one error line (all equal): validate and train in this process, launch.sh
+    as users run it. The run directory, holding an earlier run's metrics.jsonl, is left as it
+    was; launch.sh prints nothing on stdout (no process count, so no torchrun)."""
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    args = [PARITY, "data.kind=tokens", f"data.path={data}", f"logging.run_dir={run_dir}", *extra]
+    lines = set()
+    for command in commands:
+        if command == "launch.sh":
+            proc = run("bash", "launch.sh", *args)
+            lines.add(one_error_line(proc))
+            assert proc.stdout == "", proc.stdout[-2000:]
+        else:
+            capsys.readouterr()
+            assert main([command, *args]) == 2, command
+            captured = capsys.readouterr()
+            err = captured.err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("error: ") and captured.out == "", (command, captured)
+            lines.add(err[0])
+        assert os.listdir(run_dir) == ["metrics.jsonl"], command
+        assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    assert len(lines) == 1, lines
+    return lines.pop()
+
+
+@pytest.mark.parametrize("name,breaks,extra,needle,names,commands", DIR_CASES, ids=[c[0] for c in DIR_CASES])
+def test_prepared_directory_problem(prepared_once, tmp_path, capsys, name, breaks, extra, needle, names, commands):
+    data = tmp_path / "data"
+    if breaks != "missing":
+        shutil.copytree(prepared_once, data)
+        if breaks is not None:
+            breaks(data)
+    before = {p.name: p.read_bytes() for p in data.iterdir()} if data.exists() else None
+    line = refuse_each(data, extra, commands, tmp_path / "run", capsys)
+    assert needle in line and names.format(d=data) in line, line
+    after = {p.name: p.read_bytes() for p in data.iterdir()} if data.exists() else None
+    assert after == before  # the data directory is only read
+
+
+def test_meta_records_what_the_door_reads(prepared_once):
+    meta = json.loads((prepared_once / "meta.json").read_text())
     assert meta["max_token_id"] < meta["vocab_size"] == 257
+    assert meta["splits"]["train"]["tokens"] == 7030 and meta["splits"]["val"]["tokens"] == 0

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dtensor3d.__main__ import main
-
-ROOT = Path(__file__).resolve().parent.parent
 
 DOCS = {
     "a.txt": "hello world\n",
@@ -158,7 +154,12 @@ def _bad_cases(corpus: Path, tmp_path: Path) -> list[tuple[list, str]]:
         ([str(tmp_path / "*.nothing"), "--out", tmp_path / "o", "--tokenizer", "byte"], "matches no file"),
         ([corpus, "--out", tmp_path / "o", "--tokenizer", tmp_path / "none.json"], "none.json"),
         ([corpus, "--out", tmp_path / "o", "--tokenizer", tmp_path / "afile"], "cannot be read"),
-        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--val-fraction", "1"], "--val-fraction"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--val-fraction", "1"], "--val-fraction 1.0"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--val-fraction", "-0.1"], "--val-fraction -0.1"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--val-fraction", "nan"], "--val-fraction nan"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--val-fraction", "half"], "--val-fraction"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--workers", "0"], "--workers 0"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--hf-dataset", "x"], "not both"),
         ([corpus, "--out", tmp_path / "o", "--train-tokenizer", "100"], "at least 257"),
         ([corpus, "--out", tmp_path / "afile", "--tokenizer", "byte"], "existing file"),
         ([bad_jsonl, "--out", tmp_path / "o", "--tokenizer", "byte"], "bad.jsonl:2"),
@@ -166,16 +167,13 @@ def _bad_cases(corpus: Path, tmp_path: Path) -> list[tuple[list, str]]:
     ]
 
 
-def test_bad_inputs_one_line_nothing_written(corpus, tmp_path):
+def test_bad_inputs_one_line_nothing_written(corpus, tmp_path, capsys):
+    """Through main() (the command line without a new interpreter per case: ~0.1 s each)."""
     for args, needle in _bad_cases(corpus, tmp_path):
-        proc = subprocess.run(
-            [sys.executable, "-m", "dtensor3d", "prepare-data", *map(str, args)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (args, proc.stderr)
+        capsys.readouterr()
+        assert main(["prepare-data", *map(str, args)]) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), (args, lines)
         assert needle in lines[0], (needle, lines[0])
         assert not (tmp_path / "o").exists()
         assert not [p for p in os.listdir(tmp_path) if p.startswith(".o.tmp")]

@@ -4,6 +4,12 @@ Each document goes to the validation split when a keyed hash of its text falls b
 `val_fraction` (`in_validation`): the split depends on the document alone, never on the
 input order or on how the work is divided, so every `--workers` gives the same bytes.
 Every document is followed by the end-of-document id; empty documents are dropped.
+
+In one process (`--workers 1`), `Encoder.stream` hands GROUP tasks (about 8 MB of text) at a
+time to the Rust tokenizer's `encode_batch_fast` (no character offsets; its own thread pool,
+one thread per core; the GIL released), on a helper thread, so that encoding one group
+overlaps reading the next and writing the previous. A group is one Chunk: the bytes written
+do not depend on how tasks are grouped.
 """
 
 from __future__ import annotations
@@ -11,12 +17,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import DataError
 from .inputs import read_text_file
+
+GROUP = 8  # tasks (about inputs.TASK_BYTES each) per encode_batch_fast call of Encoder.stream
 
 
 def in_validation(text: str, fraction: float, seed: int) -> bool:
@@ -81,31 +91,64 @@ class Encoder:
         self.eos, self.dtype = eos_id, np.dtype(dtype)
         self.val_fraction, self.seed, self.text_field = val_fraction, seed, text_field
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens with EOS after each text, per-text lengths including the EOS)."""
-        if not texts:
-            return np.zeros(0, self.dtype), np.zeros(0, np.int64)
-        ids = [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text (one encode_batch_fast call: the Rust tokenizer's threads)."""
+        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)] if texts else []
+
+    def flat(self, ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(the ids with EOS after each document, per-document lengths including the EOS)."""
         lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
         flat = np.empty(int(lengths.sum()), self.dtype)
         ends = np.cumsum(lengths)
         flat[ends - 1] = self.eos
-        starts = ends - lengths
-        for start, x in zip(starts.tolist(), ids):
+        for start, x in zip((ends - lengths).tolist(), ids):
             flat[start : start + len(x)] = x
         return flat, lengths
 
-    def __call__(self, task: tuple) -> Chunk:
-        chunk = Chunk()
-        texts = task_texts(task, self.text_field, chunk)
-        kept = [t for t in texts if t]
-        chunk.empty = len(texts) - len(kept)
-        split = {"train": [], "val": []}
-        for text in kept:
-            split["val" if in_validation(text, self.val_fraction, self.seed) else "train"].append(text)
-        for name, docs in split.items():
-            chunk.tokens[name], chunk.lengths[name] = self.encode(docs)
+    def read(self, tasks: list[tuple]) -> tuple[Chunk, dict[str, list[str]]]:
+        """The documents of `tasks`, in order, per split; the counts in a fresh Chunk."""
+        chunk, split = Chunk(), {"train": [], "val": []}
+        for task in tasks:
+            texts = task_texts(task, self.text_field, chunk)
+            kept = [t for t in texts if t]
+            chunk.empty += len(texts) - len(kept)
+            for text in kept:
+                split["val" if in_validation(text, self.val_fraction, self.seed) else "train"].append(text)
+        return chunk, split
+
+    def fill(self, chunk: Chunk, split: dict[str, list[str]]) -> Chunk:
+        """Encode both splits in one batch and put their token arrays into `chunk`."""
+        ids, n = self.encode(split["train"] + split["val"]), len(split["train"])
+        chunk.tokens["train"], chunk.lengths["train"] = self.flat(ids[:n])
+        chunk.tokens["val"], chunk.lengths["val"] = self.flat(ids[n:])
         return chunk
+
+    def __call__(self, task: tuple) -> Chunk:
+        return self.fill(*self.read([task]))
+
+    def stream(self, tasks: Iterator[tuple]) -> Iterator[Chunk]:
+        """One Chunk per GROUP tasks, in order; a group is encoded on a helper thread while
+        the caller writes the previous Chunk and this thread reads the next group."""
+        with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
+            pending = None
+            for group in _groups(tasks, GROUP):
+                future = pool.submit(self.fill, *self.read(group))
+                if pending is not None:
+                    yield pending.result()
+                pending = future
+            if pending is not None:
+                yield pending.result()
+
+
+def _groups(tasks: Iterator[tuple], size: int) -> Iterator[list[tuple]]:
+    group = []
+    for task in tasks:
+        group.append(task)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def init_worker(args: tuple) -> None:

@@ -96,10 +96,10 @@ def build_tokenizer(o: PrepareOptions, tasks) -> tuple[object, tokenizer.Eos, di
 
 
 def chunks(tasks: Iterator[tuple], encoder_args: tuple, workers: int) -> Iterator[Chunk]:
-    """Encoded tasks in task order: here (workers 1) or in a pool of spawned processes."""
+    """Encoded tasks in task order: here (workers 1: groups of tasks, the Rust tokenizer's own
+    threads) or in a pool of `workers` spawned processes (one task each, one Rust thread each)."""
     if workers == 1:
-        encoder = Encoder(*encoder_args)
-        yield from (encoder(t) for t in tasks)
+        yield from Encoder(*encoder_args).stream(tasks)
         return
     with multiprocessing.get_context("spawn").Pool(workers, init_worker, (encoder_args,)) as pool:
         pending: deque = deque()
