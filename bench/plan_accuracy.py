@@ -15,8 +15,9 @@ measures step 2 on every rank. Printed per mesh:
   against the estimate of its stage ("exact" when every rank's every figure is equal; the
   expert all-to-alls are routing-dependent and the estimate is their expectation under
   uniform routing, so the ep line shows the measured range);
-- under pp: the bubble fraction (p - 1) / (m + p - 1) against each stage's measured idle
-  share of the schedule's step (1 - compute time / step wall time).
+- under pp: the estimate's bubble fraction for the schedule (dtensor3d/schedule_model.py:
+  (p - 1) / (m + p - 1) for 1f1b and afab, (p - 1) / (v m + p - 1) interleaved, ...) against
+  each pp rank's measured idle share of the schedule's step (1 - compute time / step wall time).
 """
 
 from __future__ import annotations
@@ -44,6 +45,27 @@ MESHES = {
     "cp2 x dp2 recompute": (DENSE, ["parallelism.cp=2", "parallelism.dp=2", "parallelism.recompute_layer=true"]),
     "ep2 x dp2 fsdp (moe)": (MOE, ["parallelism.ep=2", "parallelism.dp=2"]),
     "ep2 x tp2 (moe)": (MOE, ["parallelism.ep=2", "parallelism.tp=2"]),
+    "dp2 selective": (DENSE, ["parallelism.dp=2", "parallelism.recompute=selective"]),
+    "cp2 x tp2 sp selective": (
+        DENSE,
+        [
+            "parallelism.cp=2",
+            "parallelism.tp=2",
+            "parallelism.tp_mode=REDUCE_SCATTER",
+            "parallelism.recompute=selective",
+        ],
+    ),
+    "pp2 interleaved x dp2": (
+        DENSE,
+        ["parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b", "parallelism.dp=2"],
+    ),
+    "pp2 zbv x tp2": (DENSE, ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.tp=2"]),
+    "pp2 dualpipev": (DENSE, ["parallelism.pp=2", "parallelism.pp_engine=dualpipev"]),
+    "pp2 zbv full": (DENSE, ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full"]),
+    "pp2 interl. selective": (
+        DENSE,
+        ["parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b", "parallelism.recompute=selective"],
+    ),
 }
 MIB = 2**20
 

@@ -362,6 +362,13 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     return fwd, bwd
 
 
+def replays_forward(recipe) -> bool:
+    """Whether backward runs each layer's forward collectives again: under full recompute,
+    and under selective too (its policy keeps only matmul outputs; the gathered inputs those
+    matmuls' backward reads are recomputed, collectives included -- counted on tp2 sp x cp2)."""
+    return recipe.parallelism.recompute in ("full", "selective")
+
+
 def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
     """A layer's forward collectives that full recompute runs again in backward. Recompute
     stops once every tensor backward needs is back (torch's non-reentrant checkpoint), so a
@@ -382,7 +389,7 @@ def _add(total: dict, part: dict, times: int = 1) -> None:
 
 def tp_bytes(recipe, part: Part) -> dict[str, int]:
     """Per step: DTensor collectives of the tp plan (parallel/tensor.py), per microbatch:
-    each layer's (and, with recompute, its forward's again), the embedding's, the head's
+    each layer's (and, with recompute full or selective, its forward's again), the embedding's, the head's
     and loss_parallel's three all-reduces over the tokens (max, sum of exp, target logit);
     per step under sequence parallelism, the all-reduce of the norm weights' gradients
     (`match_grad_placements`)."""
@@ -395,7 +402,7 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
         fwd, bwd = _tp_layer(recipe, moe)
         _add(per_micro, fwd, count)
         _add(per_micro, bwd, count)
-        if p.recompute == "full":
+        if replays_forward(recipe):
             _add(per_micro, _tp_replay(recipe, fwd, moe), count)
     full_f, part_f = z.tokens * z.hidden * FP32, z.seq_tokens * z.hidden * FP32
     if part.first:  # vocab-parallel embedding: its partial output is reduced
@@ -455,7 +462,7 @@ def cp_bytes(recipe, layers: list[int], backend: str) -> dict[str, int]:
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
     if not p.cp_enabled:
         return _kinds()
-    forwards = 2 if p.recompute == "full" else 1
+    forwards = 2 if replays_forward(recipe) else 1
     kv = 2 * z.tokens * z.kv_width * z.compute
     grads = 2 * z.kv_tokens * z.kv_width * z.compute
     stats = (2 * m.num_local_experts + 1) * FP32 * _moe_layers(recipe, layers) * (forwards + 1)
@@ -472,7 +479,7 @@ def ep_bytes(recipe, layers: list[int]) -> dict[str, int]:
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
     if not p.ep_enabled:
         return _kinds()
-    forwards = 2 if p.recompute == "full" else 1
+    forwards = 2 if replays_forward(recipe) else 1
     rows = z.tokens * m.num_experts_per_tok * z.hidden
     fwd = m.num_local_experts * 8 + rows * (FP32 + z.compute)
     bwd = rows * (z.compute + FP32)

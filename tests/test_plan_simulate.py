@@ -127,6 +127,10 @@ MESHES = {
     "moe_ep2_dp2_tp2": (MOE, ["parallelism.ep=2", "parallelism.dp=2", "parallelism.tp=2"]),
     "moe_ep4_pp2_fsdp": (MOE, ["parallelism.ep=4", "parallelism.pp=2"]),
     "moe_ep2_cp2_replicate": (MOE, ["parallelism.ep=2", "parallelism.cp=2", "parallelism.dp_mode=replicate"]),
+    # several stages per rank: rank r holds layers r and r + 2 (interleaved), r and 3 - r with
+    # the embedding and the head both on rank 0 (zbv's V)
+    "pp2_interleaved_tp2": (PARITY, ["parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b", "parallelism.tp=2"]),
+    "pp2_zbv_dp2_fsdp": (PARITY, ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.dp=2"]),
 }
 
 
