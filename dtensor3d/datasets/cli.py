@@ -47,6 +47,6 @@ def run_prepare(args) -> None:
     )
     if options.hf_dataset is not None and options.inputs:
         raise DataError("prepare-data: give INPUT files or --hf-dataset, not both")
-    start = time.perf_counter()
-    meta = prepare(options)
-    print(summary(args.out, meta, time.perf_counter() - start))
+    start, seconds = time.perf_counter(), {}
+    meta = prepare(options, seconds)
+    print(summary(args.out, meta, time.perf_counter() - start, seconds.get("tokenizer", 0.0)))

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -166,12 +167,16 @@ def _task_source(o: PrepareOptions):
     return (lambda: inputs.plan_tasks(files, o.text_field)), list(o.inputs), inputs.total_bytes(files)
 
 
-def prepare(o: PrepareOptions) -> dict:
-    """Write the prepared directory `o.out`; return its meta.json content."""
+def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
+    """Write the prepared directory `o.out`; return its meta.json content. `seconds`, if
+    given, receives "tokenizer": the time spent building (training) the tokenizer."""
     check_options(o)
     check_out(o.out, o.overwrite)
     tasks, named_inputs, total = _task_source(o)
+    start = time.perf_counter()
     tok, eos, tok_entry = build_tokenizer(o, tasks)
+    if seconds is not None:
+        seconds["tokenizer"] = time.perf_counter() - start
     vocab = tokenizer.vocab_size(tok)
     dtype = token_dtype(vocab)
     parent, base = os.path.split(os.path.abspath(o.out))
@@ -195,14 +200,16 @@ def prepare(o: PrepareOptions) -> dict:
     return meta
 
 
-def summary(out: str, meta: dict, seconds: float) -> str:
-    """The one line prepare-data prints at the end."""
+def summary(out: str, meta: dict, seconds: float, tokenizer_seconds: float = 0.0) -> str:
+    """The one line prepare-data prints at the end; the rates are of the encoding pass alone
+    (the whole time less the tokenizer's training, which is shown apart)."""
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
-    mb = meta["bytes"] / 1e6
-    rate = f"{mb / max(seconds, 1e-9):.2f} MB/s, {(tr['tokens'] + va['tokens']) / max(seconds, 1e-9):,.0f} tokens/s"
+    mb, encoding = meta["bytes"] / 1e6, max(seconds - tokenizer_seconds, 1e-9)
+    rate = f"{mb / encoding:.2f} MB/s, {(tr['tokens'] + va['tokens']) / encoding:,.0f} tokens/s"
+    trained = f"tokenizer trained in {tokenizer_seconds:.1f} s, " if meta["tokenizer"]["kind"] == "bpe" else ""
     return (
         f"prepared {out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in {len(tr['shards'])} "
         f"shard(s), validation {va['documents']:,} / {va['tokens']:,}; vocab {meta['vocab_size']:,} "
-        f"({meta['dtype']}), EOS {meta['tokenizer']['eos_id']}; {mb:.1f} MB in {seconds:.1f} s ({rate}); "
-        f"skipped {meta['binary_skipped']} binary, {meta['empty_skipped']} empty"
+        f"({meta['dtype']}), EOS {meta['tokenizer']['eos_id']}; {mb:.1f} MB in {seconds:.1f} s ({trained}"
+        f"encoding {rate}); skipped {meta['binary_skipped']} binary, {meta['empty_skipped']} empty"
     )
