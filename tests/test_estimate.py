@@ -254,3 +254,32 @@ def test_schedule_formulas_by_hand():
     assert [in_flight(est("interleaved_1f1b"), r) for r in range(4)] == [11, 9, 7, 5]
     assert [in_flight(est("zbv"), r) for r in range(4)] == [8, 8, 8, 8]
     assert [in_flight(est("dualpipev"), r) for r in range(4)] == [9, 9, 9, 9]
+
+
+def test_selective_recompute_keeps_the_matmul_outputs():
+    """Per layer of the parity model (32 tokens, hidden 64, q 64, k/v 32, inter 128, 8 heads,
+    fp32), selective keeps the layer input 8,192 B + q/k/v 16,384 + attention output 8,192 +
+    log-sum-exp 1,024 + o_proj 8,192 + gate/up/down 40,960 = 82,944 B; the rest of a layer
+    (140,288 B unrecomputed) is alive once, while one layer is recomputed in backward."""
+    from dtensor3d.estimate import layer_activation_bytes, layers_activation_bytes, selective_layer_bytes
+
+    r = recipe("parallelism.recompute=selective")
+    assert selective_layer_bytes(r, False) == 82_944 and layer_activation_bytes(r, False) == 140_288
+    assert layers_activation_bytes(r, range(4)) == (4 * 82_944, 140_288 - 82_944)
+    assert layers_activation_bytes(recipe("parallelism.recompute=full"), range(4)) == (4 * 8_192, 140_288)
+    assert layers_activation_bytes(recipe(), range(4)) == (4 * 140_288, 0)
+    # selective replays the forward's collectives as full does (the gathered inputs are not kept)
+    tp2 = ["parallelism.tp=2", "training.global_batch_size=2"]
+    sel, full = (comm_bytes(recipe(*tp2, f"parallelism.recompute={m}"))[0]["tp"] for m in ("selective", "full"))
+    assert sel == full != comm_bytes(recipe(*tp2))[0]["tp"]
+
+
+def test_pp_bytes_count_the_boundaries_that_cross_ranks():
+    """pp 2, 8 microbatches of 32 x 64 fp32 (8,192 B): interleaved v 2 crosses 3 boundaries
+    (rank 0 sends 0->1 and 2->3 forward, 2->1 backward: 3 sends per microbatch); zbv's V hands
+    stage 1 to stage 2 on rank 1 without a send (each rank: 2 sends per microbatch)."""
+    pp2 = ["parallelism.pp=2", "training.global_batch_size=8"]
+    sends = lambda engine: [c["pp"]["send_recv"] // (8 * 8_192) for c in comm_bytes(recipe(*pp2, engine))]  # noqa: E731
+    assert sends("parallelism.pp_engine=1f1b") == [1, 1]
+    assert sends("parallelism.pp_engine=interleaved_1f1b") == [3, 3]
+    assert sends("parallelism.pp_engine=zbv") == [2, 2] == sends("parallelism.pp_engine=dualpipev")

@@ -150,3 +150,34 @@ def test_planning_recipes():
     assert "world size 1024: ep=1 pp=16 dp=4 cp=2 tp=8" in p.stdout
     assert "not for CPU training" in p.stdout and "tokens/s at 989 TFLOP/s" in p.stdout
     assert len(p.stdout.splitlines()) < 60  # 1,024 ranks: the table is elided
+
+
+ESTIMATE_KEYS = {"stages", "flops_per_step", "comm_bytes_per_step", "bubble_fraction"}
+
+
+@pytest.mark.parametrize(
+    "engine, stages, layers, bubble",
+    [
+        # interleaved: rank r holds stages r and r + 2; bubble (p-1)/(v m + p-1), m = 8, v = 2
+        ("interleaved_1f1b", [[0, 2], [1, 3]], [[[0, 0], [2, 2]], [[1, 1], [3, 3]]], 1 / 17),
+        # zbv: a V, rank 0 holds the first and the last stage; bubble i/(6 m + i), i = p - 1 = 1
+        ("zbv", [[0, 3], [1, 2]], [[[0, 0], [3, 3]], [[1, 1], [2, 2]]], 1 / 49),
+    ],
+    ids=["interleaved_1f1b", "zbv"],
+)
+def test_plan_multi_stage_schedules(engine, stages, layers, bubble):
+    """One row per pp rank (what --simulate --rank R compares against), summing its stages."""
+    args = ["tests/recipes/parity.yaml", "parallelism.pp=2", f"parallelism.pp_engine={engine}"]
+    p = plan(*args, "--json")
+    assert p.returncode == 0, p.stderr
+    est = json.loads(p.stdout)["estimate"]
+    assert set(est) == ESTIMATE_KEYS
+    assert [s["stage"] for s in est["stages"]] == [0, 1]
+    assert [s["pp_stages"] for s in est["stages"]] == stages
+    assert [s["stage_layers"] for s in est["stages"]] == layers
+    assert all(STAGE_KEYS <= set(s) for s in est["stages"])
+    assert est["bubble_fraction"] == pytest.approx(bubble)
+    text = plan(*args).stdout
+    assert f"pipeline bubble {100 * bubble:.1f}% ({engine})" in text
+    row = next(line for line in text.splitlines() if line.split()[:2] == ["0", f"{layers[0][0][0]},{layers[0][1][0]}"])
+    assert f"{est['stages'][0]['params']:,}" in row
