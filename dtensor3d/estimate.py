@@ -28,7 +28,10 @@ the SwiGLU intermediates; under `recompute: full` only each layer's input, under
 `selective` the input and the matmul outputs), the last stage's log-probabilities and,
 under pp, what the schedule keeps (each stage's output per microbatch-stage in flight,
 schedule_model.in_flight; per microbatch of the step, receive buffers and the last
-stage's logits). bench/plan_accuracy.py measures it.
+stage's logits). bench/plan_accuracy.py measures it. Not modelled: under zbv's and
+dualpipev's split backward (I now, W later) a stage holds more between its I and its W than
+its forward kept -- with recompute, the recomputed layer (pp2 zbv full: 28-39% above the
+estimate, BENCHMARKS.md).
 """
 
 from __future__ import annotations
