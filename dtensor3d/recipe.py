@@ -705,11 +705,6 @@ def _validate_schedule(recipe: Recipe) -> None:
     """Stages per rank, layers per stage and microbatch counts the pipeline schedule can take;
     recompute against nanotron's recompute_layer."""
     m, p, n = recipe.model, recipe.parallelism, recipe.num_microbatches
-    if recipe.training.compile and p.tp_enabled:
-        raise _fail(
-            f"training.compile=true with parallelism.tp={p.tp}: compiled tensor-parallel blocks do not match eager "
-            "on this torch (tests/test_speed.py); use tp 1 with compile, or training.compile: false"
-        )
     if p.recompute_layer and p.recompute != "full":
         raise _fail(f"parallelism.recompute={p.recompute} conflicts with recompute_layer=true (which means full)")
     v = p.pp_virtual_stages

@@ -9,8 +9,10 @@ it. `Module.compile` keeps the module where it is, so parameter names do not cha
 A decoder layer with experts compiles only its attention: its routing (tokens per expert,
 `tolist`) has data-dependent shapes that recompile past dynamo's limit at every step, and
 dynamo loses `to_local` of the ep-sharded expert weights before grouped_mm.
-Tensor parallelism with compile is refused at the door (recipe.validate): compiled blocks
-with DTensor tp styles gave gradients unlike eager's.
+With tensor parallelism a block's DTensor styles (colwise/rowwise, sequence parallel) are
+traced inside its graph. What reaches a block from outside is plain, except the first block
+of a stage after the embedding: tp's async redistribute makes that an AsyncCollectiveTensor,
+whose gradient this torch drops when compiled (`_settled_inputs`, which waits for it first).
 
 Compilation itself happens lazily, in the first forward and backward of each block. A
 block that fails to compile raises `CompileError` naming it; nothing falls back to eager.
@@ -23,6 +25,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ..errors import EnvError
 
@@ -48,6 +51,28 @@ def _named_failures(fn, name: str):
     return call
 
 
+def _settled_inputs(fn):
+    """fn, with every AsyncCollectiveTensor argument waited for outside the compiled region.
+
+    The tp styles redistribute with async_op=True, so the embedding's all-reduce (or
+    reduce-scatter) reaches block 0 as an AsyncCollectiveTensor that requires grad over an
+    inner tensor that does not. torch 2.13's AOTAutograd unwraps such an input with
+    `trigger_wait()` before tracing (pytorch PR #179849) and so traces it as not requiring
+    grad: the compiled block returns no gradient for it, and the embedding gets none through
+    it (dp2 x tp2: step-1 grad norm 12% low; tp alone: a crash in the embedding's Redistribute
+    backward). pytorch PR #191113 fixes that in torch. `clone` waits (the ACT's dispatch) and
+    returns a plain tensor with its autograd edge; other arguments pass untouched."""
+
+    def settle(x):
+        return x.clone() if isinstance(x, AsyncCollectiveTensor) else x
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*(settle(a) for a in args), **{k: settle(v) for k, v in kwargs.items()})
+
+    return call
+
+
 def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
     """Compile every decoder block of this stage in place (one graph per block; blocks of
     the same shape share it). Hitting dynamo's recompile limit raises instead of quietly
@@ -57,7 +82,8 @@ def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
         # A MoE layer: only its attention (routing has data-dependent shapes that recompile)
         target, name = (block.self_attn, f"model.layers.{index}.self_attn") if _is_moe(block) else (block, None)
         target.compile(backend=backend)
-        target._compiled_call_impl = _named_failures(target._compiled_call_impl, name or f"model.layers.{index}")
+        compiled = _settled_inputs(target._compiled_call_impl)
+        target._compiled_call_impl = _named_failures(compiled, name or f"model.layers.{index}")
     return model
 
 
