@@ -13,18 +13,23 @@ same step.
   state changes). training.on_nonfinite=stop ends the run with one line naming the step and
   the loss or the first parameter (by name) whose gradient was non-finite; skip counts
   `skipped_steps` and stops after training.max_skipped_steps consecutive skips.
-- Hangs: training.timeout_s is set on every process group, so a collective that does not
-  complete raises instead of waiting forever; the loop turns it into one line naming the step.
+- Hangs: training.timeout_s is the timeout of the default process group
+  (mesh.init_distributed: a rank missing at the start) and is set on every group once the
+  mesh is built, so a collective that does not complete raises instead of waiting forever;
+  setup and the loop turn it into one line naming setup or the step (`report`). Under
+  launch.sh that line goes to the supervisor (supervise.py), which prints one per job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -43,7 +48,12 @@ class FaultError(UserError):
 
 
 class CollectiveError(RuntimeError):
-    """A collective that failed or did not complete in time (a hung or dead rank)."""
+    """A collective that failed or did not complete in time (a hung or dead rank). `short`:
+    where and why without torch's own text."""
+
+    def __init__(self, short: str, detail: str):
+        super().__init__(f"{short}: {detail}")
+        self.short = short
 
 
 # ---------------------------------------------------------------- preemption
@@ -88,12 +98,9 @@ class Preemption:
             self.signal = byte[0]
         if not self.finished.wait(self.timeout_s):
             name = signal.Signals(self.signal).name
-            print(
-                f"error: rank {dist.get_rank() if dist.is_initialized() else 0}: {name} received but the run did not "
-                f"stop and save within checkpoint.preempt_timeout_s={self.timeout_s:g} s; exiting without a new "
-                f"checkpoint (a resume takes the newest complete one)",
-                file=sys.stderr,
-                flush=True,
+            report(
+                f"{name} received but the run did not stop and save within checkpoint.preempt_timeout_s="
+                f"{self.timeout_s:g} s; exiting without a new checkpoint (a resume takes the newest complete one)"
             )
             os._exit(1)
 
@@ -209,25 +216,48 @@ def set_timeout(seconds: float) -> None:
             c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
+def is_collective_failure(e: BaseException) -> bool:
+    """A failed or timed-out collective or store wait (torch's DistError; gloo's errors are
+    RuntimeErrors naming gloo), as opposed to a bug, which keeps its traceback."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and ("gloo" in text or "nccl" in text))
+
+
 @contextlib.contextmanager
-def collective_guard(step: int, timeout_s: float):
-    """Turn a failed collective inside a step into a CollectiveError naming the step."""
+def collective_guard(where: str, timeout_s: float):
+    """Turn a failed collective inside `where` ("step N", "setup") into a CollectiveError naming it."""
     try:
         yield
     except (dist.DistError, RuntimeError) as e:
-        if isinstance(e, UserError):
+        if isinstance(e, UserError) or not is_collective_failure(e):
             raise
         text = " ".join(str(e).split())[:400]
         if "timed out" in text.lower() or "timeout" in text.lower():
             why = f"a collective did not complete within training.timeout_s={timeout_s:g} s (a rank hung or stopped)"
         else:
             why = "a collective failed (a rank died or its connection closed)"
-        raise CollectiveError(f"step {step}: {why}: {text}") from None
+        raise CollectiveError(f"{where}: {why}", text) from None
+
+
+def report(line: str, short: str | None = None) -> None:
+    """This rank's one line about a fault that ends it with status 1. Under launch.sh
+    (supervise.py) it goes into torch's error file for this rank (with `short`, the line
+    without torch's text, for the supervisor to quote), and the supervisor prints one line
+    for the whole job, whichever ranks noticed; elsewhere it is printed."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get("DTENSOR3D_SUPERVISED") == "1" and path:
+        ours = {"line": line, "short": short or line, "time": time.time()}
+        record = {"message": line, "timestamp": int(time.time()), "dtensor3d": ours}
+        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+            return
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
 
 
 def report_collective(err: CollectiveError) -> int:
-    """Print a CollectiveError as one line from this rank (other ranks may be gone); exit status 1."""
-    print(f"error: rank {dist.get_rank()}: {err}", file=sys.stderr, flush=True)
+    """Report a CollectiveError (other ranks may be gone); exit status 1."""
+    report(str(err), err.short)
     return 1
 
 
@@ -246,15 +276,26 @@ class Guard:
         self.skips = SkipCount(recipe.training, recipe.checkpoint.dir)
         self.saver = None
 
+    @contextlib.contextmanager
+    def setup_phase(self):
+        """Around setup: a collective or rendezvous that fails or times out (a rank missing or
+        dead at the start) ends this rank with one line instead of a traceback."""
+        try:
+            with collective_guard("setup", self.recipe.training.timeout_s):
+                yield
+        except CollectiveError as e:
+            self.close()
+            raise SystemExit(report_collective(e)) from None
+
     def attach(self, state) -> None:
         from .checkpoint.background import Saver
 
-        set_timeout(self.recipe.training.timeout_s)
         if self.recipe.checkpoint.dir:
-            self.saver = Saver(state)
+            self.saver = Saver(state)  # its own group (async saves): before the timeouts are set
+        set_timeout(self.recipe.training.timeout_s)
 
     def step(self, state):
-        return collective_guard(state.step + 1, self.recipe.training.timeout_s)
+        return collective_guard(f"step {state.step + 1}", self.recipe.training.timeout_s)
 
     def check(self, metrics: dict) -> None:
         self.skips.after(metrics)
@@ -264,7 +305,7 @@ class Guard:
         wait for the save, print one line (rank 0) and return True."""
         from .checkpoint import checkpoint_due
 
-        with collective_guard(state.step, self.recipe.training.timeout_s):
+        with collective_guard(f"step {state.step}", self.recipe.training.timeout_s):
             saved = self.saver.save(state) if checkpoint_due(self.recipe, state.step) else None
             name = self.preemption.agreed(state.device)
             if name is None:
@@ -279,7 +320,7 @@ class Guard:
     def finish(self, state) -> None:
         """Collective, at a normal end: wait for a background save (raises if it failed)."""
         if self.saver is not None:
-            with collective_guard(state.step, self.recipe.training.timeout_s):
+            with collective_guard(f"step {state.step}", self.recipe.training.timeout_s):
                 self.saver.wait()
 
     def close(self) -> None:

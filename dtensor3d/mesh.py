@@ -105,10 +105,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_type: str):
+def init_distributed(device_type: str, timeout_s: float | None = None):
     """Join the default process group (or, outside torchrun, create a 1-process one);
-    return this rank's device. gloo on CPU; nccl for CUDA tensors (gloo for CPU ones)."""
+    return this rank's device. gloo on CPU; nccl for CUDA tensors (gloo for CPU ones).
+    timeout_s (training.timeout_s): how long the rendezvous waits for every rank and the
+    default group's collectives wait for completion (None: torch's default, 30 min)."""
     import os
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
@@ -123,7 +126,7 @@ def init_distributed(device_type: str):
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     return device
 
 

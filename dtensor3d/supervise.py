@@ -1,14 +1,24 @@
-"""launch.sh's torchrun: torch's elastic agent (c10d rendezvous, --max-restarts) run in this
-process, with two differences from `python -m torch.distributed.run`.
+"""launch.sh's torchrun: torch's elastic agent (LocalElasticAgent, c10d rendezvous,
+--max-restarts) run in this process, with these differences from `python -m torch.distributed.run`.
 
 - SIGTERM and SIGINT (Ctrl-C, `scancel`, `kubectl delete`) reaching the launcher are passed
   on to every worker, which stop at the next step boundary, save and exit 0 (faults.py).
   torchrun would instead stop the workers itself, SIGKILL them after 30 s and end with a
   traceback and a non-zero status. (Its workers run in their own sessions, so a Ctrl-C on
-  the terminal reaches only the launcher.)
-- A job that fails ends with one `error:` line naming the rank that failed first and how,
-  instead of torchrun's ChildFailedError traceback. Status 2 (a wrong input, a non-finite
-  step, a failed save) means the workers printed their own line already.
+  the terminal reaches only the launcher.) A job asked to stop is not restarted.
+- A deterministic failure is final: a worker that exits with status 2 (a wrong input, a
+  non-finite step under `stop`, a failed save) has printed its one `error:` line; the job
+  ends at once with status 2 instead of failing the same way MAX_RESTARTS more times.
+- One line per failed attempt, from here: a restart says which rank failed first and how;
+  a job that fails for good ends with one `error:` line naming the first failure of the job
+  (and the last, after restarts) instead of torchrun's ChildFailedError traceback. A worker
+  that fails with status 1 (a collective that failed or timed out: faults.report) puts its
+  one line into torch's error file for its rank instead of printing it, so a hang or a dead
+  rank is one line per job, not one per rank that noticed it.
+- Each rendezvous round gets a fresh TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). With
+  torch's default, the store the agent hosts is shared by every round, so a restarted rank
+  could read a peer's address left there by the round before and gloo's connectFullMesh is
+  refused (a peer slower to start than the others: seen under load; pytorch/pytorch#135712).
 
 Usage: python -m dtensor3d.supervise [torchrun options] -m dtensor3d train RECIPE [...]
 """
@@ -16,13 +26,17 @@ Usage: python -m dtensor3d.supervise [torchrun options] -m dtensor3d train RECIP
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
+import logging
 import os
 import signal
 import sys
 import threading
 
 SIGNALS = {signal.SIGTERM, signal.SIGINT}
+SUPERVISED = "DTENSOR3D_SUPERVISED"  # set for the workers: faults.report writes the error file
+DETERMINISTIC = 2  # the exit status of a worker that printed its `error:` line (a UserError)
 
 
 def worker_pids() -> list[int]:
@@ -34,7 +48,7 @@ def worker_pids() -> list[int]:
     return pids
 
 
-def forward_signals() -> None:
+def forward_signals(stopping: threading.Event) -> None:
     """A thread: pass each SIGTERM/SIGINT on to the workers, and the last one to any worker
     started after it (a signal during the rendezvous); the agent keeps waiting for them."""
     last, sent = None, set()
@@ -42,6 +56,7 @@ def forward_signals() -> None:
         signum = signal.sigtimedwait(SIGNALS, 0.5)
         if signum is not None:
             last, sent = signum.si_signo, set()
+            stopping.set()
         for pid in worker_pids() if last else ():
             if pid not in sent:
                 sent.add(pid)
@@ -49,31 +64,178 @@ def forward_signals() -> None:
                     os.kill(pid, last)
 
 
-def failure_line(err, max_restarts: int) -> str:
-    rank, failure = err.get_first_failure()
-    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with status {failure.exitcode}"
-    tries = f" after {max_restarts} restart(s) (MAX_RESTARTS={max_restarts})" if max_restarts else ""
-    return f"error: the job failed{tries}: rank {rank} {how}; its output above says why"
+# ---------------------------------------------------------------- what failed, and first
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """One rank's failure as the agent saw it."""
+
+    rank: int
+    exitcode: int  # negative: killed by that signal
+    time: float  # when, as near as known: the worker's own record, else the agent's (whole seconds)
+    line: str | None  # the worker's one line (faults.report), if it wrote one
+    short: str | None  # the same without torch's text
+
+    @property
+    def killed(self) -> bool:
+        """Killed by a signal other than the agent's own SIGTERM (sent to stop the others)."""
+        return self.exitcode < 0 and -self.exitcode != signal.SIGTERM
+
+    def describe(self) -> str:
+        if self.exitcode < 0:
+            with contextlib.suppress(ValueError):
+                return f"rank {self.rank} was killed by {signal.Signals(-self.exitcode).name}"
+            return f"rank {self.rank} was killed by signal {-self.exitcode}"
+        return f"rank {self.rank} exited with status {self.exitcode}" + (f": {self.line}" if self.line else "")
+
+
+def failures_of(result) -> list[Failure]:
+    """The failures of one attempt (torch's RunResult), each with the worker's own line."""
+    out = []
+    for rank, f in result.failures.items():
+        record = f.error_file_data.get("dtensor3d") if isinstance(f.error_file_data, dict) else None
+        record = record if isinstance(record, dict) else {}
+        time = float(record.get("time", f.timestamp))
+        out.append(Failure(rank, f.exitcode, time, record.get("line"), record.get("short")))
+    return out
+
+
+def first_failure(failures: list[Failure]) -> Failure:
+    """The failure that came first. The agent stops the other workers once it sees one
+    (SIGTERM, SIGKILL after its shutdown timeout), so their failures follow it. Times known
+    only to the second: among failures within a second of the earliest, a rank killed by a
+    signal comes first (the peers of a killed rank fail in their next collective)."""
+    causes = [f for f in failures if f.exitcode != -signal.SIGTERM] or failures
+    earliest = min(f.time for f in causes)
+    near = [f for f in causes if f.time <= earliest + 1.0]
+    return min(near, key=lambda f: (not f.killed, f.time, f.rank))
+
+
+def summary(failures: list[Failure]) -> str:
+    """One attempt's failure in a phrase: the first failure, and for a rank killed by a
+    signal (which says nothing itself) what a peer reported, which names the step."""
+    first = first_failure(failures)
+    text = first.describe()
+    if first.line is None:
+        said = sorted((f for f in failures if f.line), key=lambda f: (f.time, f.rank))
+        if said:
+            text += f" (then rank {said[0].rank}: {said[0].short or said[0].line})"
+    return text
+
+
+def final_line(attempts: list[list[Failure]], max_restarts: int) -> str:
+    if len(attempts) == 1:
+        return f"error: the job failed: {summary(attempts[0])}"
+    restarts = len(attempts) - 1
+    return (
+        f"error: the job failed after {restarts} restart(s) (MAX_RESTARTS={max_restarts}); "
+        f"the first failure: {summary(attempts[0])}; the last: {summary(attempts[-1])}"
+    )
+
+
+# ---------------------------------------------------------------- the agent
+
+
+def make_agent(spec, config, stopping: threading.Event):
+    """torch's LocalElasticAgent, keeping each attempt's failures and ending the job at a
+    deterministic failure (status 2) or after a SIGTERM/SIGINT instead of restarting."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent(LocalElasticAgent):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.attempts: list[list[Failure]] = []
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if not result.is_failed():
+                return result
+            failures = failures_of(result)
+            self.attempts.append(failures)
+            if first_failure(failures).exitcode == DETERMINISTIC or stopping.is_set():
+                self._remaining_restarts = 0  # the agent's own count: 0 makes this attempt the last
+            elif self._remaining_restarts > 0:
+                n, m = len(self.attempts), spec.max_restarts
+                print(
+                    f"restarting ({n} of MAX_RESTARTS={m}): {summary(failures)}; every rank restarts "
+                    f"from the newest complete checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return result
+
+    return Agent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+
+
+def launch(args, stopping: threading.Event):
+    """torch's launcher.api.launch_agent, less its metrics, events and health-check server:
+    run the agent; return it (its `attempts`) and whether the workers succeeded (None: the
+    rendezvous was closed, by another node's agent that ended the job)."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.run import config_from_args
+
+    config, cmd, cmd_args = config_from_args(args)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    rdzv = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=cmd,
+        args=tuple(cmd_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+    )
+    agent = make_agent(spec, config, stopping)
+    try:
+        result = agent.run()
+    finally:
+        spec.rdzv_handler.shutdown()  # closes the rendezvous: other nodes' agents end too
+    return agent, None if result is None else not result.is_failed()
 
 
 def main(argv: list[str]) -> int:
     # Blocked here, and so in the workers from their first instruction (a blocked mask is
     # inherited): a signal during a worker's start waits until faults.Preemption takes it.
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-    threading.Thread(target=forward_signals, name="dtensor3d-signals", daemon=True).start()
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    stopping = threading.Event()
+    threading.Thread(target=forward_signals, args=(stopping,), name="dtensor3d-signals", daemon=True).start()
+    os.environ[SUPERVISED] = "1"
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per round: see the docstring
+    if "LOGLEVEL" not in os.environ:  # torch's own log lines about each failure: ours replace them
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *argv])  # SIGTERM, SIGINT: ours
-    try:
-        run(args)
-    except ChildFailedError as err:
-        _, failure = err.get_first_failure()
-        if failure.exitcode == 2:  # the workers printed their one `error:` line
-            return 2
-        print(failure_line(err, args.max_restarts), file=sys.stderr, flush=True)
+    agent, ok = launch(args, stopping)
+    if ok:
+        return 0
+    if ok is None:
+        print("error: the rendezvous was closed: another node's agent ended the job", file=sys.stderr, flush=True)
         return 1
-    return 0
+    first = first_failure(agent.attempts[-1])
+    if first.exitcode == DETERMINISTIC:  # the workers printed their one `error:` line
+        return DETERMINISTIC
+    print(final_line(agent.attempts, args.max_restarts), file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

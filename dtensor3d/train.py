@@ -99,9 +99,10 @@ def make_loss_fn(global_tokens: int) -> LossFn:
 
 
 def setup(recipe: Recipe) -> TrainState:
-    device = init_distributed(resolve_device(recipe.training.device))
+    device = init_distributed(resolve_device(recipe.training.device), recipe.training.timeout_s)
     torch.manual_seed(recipe.training.seed)
     mesh = build_mesh(recipe.parallelism, device.type)
+    faults.set_timeout(recipe.training.timeout_s)  # the mesh's groups too, for the rest of setup
     coords = mesh_coords(mesh)
     model, parts = parallelize_stages(recipe, mesh, coords, device)  # parts: this rank's pipeline stages
     model = materialize(model, device)
@@ -270,7 +271,8 @@ def train(recipe: Recipe) -> list[dict]:
     """Train for recipe.training.steps; rank 0 logs. Returns the logged records. Preemption,
     non-finite steps, hung collectives and checkpoint saves go through faults.Guard."""
     guard = faults.Guard(recipe)  # signal handlers before setup: a SIGTERM during it counts
-    state = setup(recipe)
+    with guard.setup_phase():  # a rank missing or dead at the start: one line, not a traceback
+        state = setup(recipe)
     guard.attach(state)
     if recipe.logging.layout:
         write_layout(state.model, state.coords, dist.get_rank(), recipe.logging.run_dir)
