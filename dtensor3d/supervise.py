@@ -179,7 +179,7 @@ def launch(args, stopping: threading.Event):
     run the agent; return it (its `attempts`) and whether the workers succeeded (None: the
     rendezvous was closed, by another node's agent that ended the job)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.run import config_from_args
 
@@ -206,7 +206,9 @@ def launch(args, stopping: threading.Event):
     )
     agent = make_agent(spec, config, stopping)
     try:
-        result = agent.run()
+        result = agent.run()  # None: torch's own "graceful exit" of the rendezvous
+    except RendezvousClosedError:  # a restart found the rendezvous closed
+        result = None
     finally:
         spec.rdzv_handler.shutdown()  # closes the rendezvous: other nodes' agents end too
     return agent, None if result is None else not result.is_failed()
