@@ -28,10 +28,9 @@ the SwiGLU intermediates; under `recompute: full` only each layer's input, under
 `selective` the input and the matmul outputs), the last stage's log-probabilities and,
 under pp, what the schedule keeps (each stage's output per microbatch-stage in flight,
 schedule_model.in_flight; per microbatch of the step, receive buffers and the last
-stage's logits). bench/plan_accuracy.py measures it. Not modelled: under zbv's and
-dualpipev's split backward (I now, W later) a stage holds more between its I and its W than
-its forward kept -- with recompute, the recomputed layer (pp2 zbv full: 28-39% above the
-estimate, BENCHMARKS.md).
+stage's logits; under zbv's and dualpipev's split backward, what a stage holds between its
+backward to the input and to the weights: `split_backward_bytes`). bench/plan_accuracy.py
+measures it (pp2 zbv with full recompute is still 16-21% above the estimate).
 """
 
 from __future__ import annotations
@@ -39,10 +38,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .recipe import stage_layers
+from .recipe import V_SCHEDULES, stage_layers
 from .schedule_model import bubble_fraction as schedule_bubble
 from .schedule_model import in_flight as schedule_in_flight
-from .schedule_model import rank_stages, sends_per_microbatch, stage_rank
+from .schedule_model import rank_stages, sends_per_microbatch, split_backward_states, stage_rank
 from .shapes import flops_per_token, layer_of, param_shapes, tp_dim
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
@@ -287,26 +286,42 @@ def virtual_stage_bytes(recipe, layers: range, first: bool, last: bool) -> tuple
     return kept, once
 
 
+def split_backward_bytes(recipe, layers) -> int:
+    """What a microbatch-stage holds between its backward to the input (I) and to the weights
+    (W) under zbv / dualpipev beyond what it kept before I: torch retains the stage's graph for
+    W, with the gradients W reads (about the matmul outputs' size) -- and under recompute the
+    layer recomputed for I, which stays in the checkpoint until W (its whole activations)."""
+    p, z = recipe.parallelism, sizes(recipe)
+    if p.pp_engine not in V_SCHEDULES or not p.pp_enabled:
+        return 0
+    n_moe = _moe_layers(recipe, layers)
+    kinds = [True] * n_moe + [False] * (len(layers) - n_moe)
+    residual = z.seq_tokens * z.hidden * FP32
+    grads = sum(selective_layer_bytes(recipe, moe) - residual for moe in kinds)
+    recomputed = sum(layer_activation_bytes(recipe, moe) for moe in kinds) if p.recompute != "none" else 0
+    return grads + recomputed
+
+
 def stage_activation_bytes(recipe, part: Part) -> tuple[int, int, int]:
     """(bytes one microbatch leaves on this pp rank through all its stages, bytes of the
     microbatch-stages in flight at the peak, bytes alive once per step: recomputation's one
-    layer and the pipeline's buffers). With several stages per rank the last stage never has
-    more than one microbatch in flight (schedule_model.in_flight): the peak is bounded by the
-    last stage's one microbatch and the rest of the in-flight count at the largest other stage."""
+    layer and the pipeline's buffers). The peak is the largest of schedule_model's
+    split_backward_states (k awaiting their backward, w between I and W; whole backwards:
+    w = 0) at the largest non-last stage's bytes; with several stages per rank the last stage
+    never has more than one microbatch in flight, counted once at its own size."""
     last_index = len(virtual_layers(recipe)) - 1
-    per_stage = [
-        virtual_stage_bytes(recipe, layers, s == 0, s == last_index)
-        for s, layers in zip(part.stages, part.stage_layers)
-    ]
-    kept = [k for k, _ in per_stage]
-    flight = in_flight(recipe, part.rank)
-    others = [k for s, k in zip(part.stages, kept) if s != last_index]
+    kept, held, once = [], [], []
+    for s, layers in zip(part.stages, part.stage_layers):
+        k, o = virtual_stage_bytes(recipe, layers, s == 0, s == last_index)
+        kept, held, once = kept + [k], held + [k + split_backward_bytes(recipe, layers)], once + [o]
+    pairs = split_backward_states(recipe.parallelism, recipe.num_microbatches, part.rank)
+    others = [i for i, s in enumerate(part.stages) if s != last_index]
     if part.last and others:
-        peak = kept[part.stages.index(last_index)] + (flight - 1) * max(others)
+        ko, ho, i = max(kept[j] for j in others), max(held[j] for j in others), part.stages.index(last_index)
+        peak = max(k * ko + w * ho for k, w in pairs) + max(kept[i] - ko, held[i] - ho)
     else:
-        peak = max(kept) * flight
-    once = max(o for _, o in per_stage) + pipeline_buffer_bytes(recipe, part)
-    return sum(kept), peak, once
+        peak = max(k * max(kept) + w * max(held) for k, w in pairs)
+    return sum(kept), peak, max(once) + pipeline_buffer_bytes(recipe, part)
 
 
 def pipeline_buffer_bytes(recipe, part: Part) -> int:

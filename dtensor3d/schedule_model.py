@@ -88,6 +88,29 @@ def in_flight(parallelism, m: int, pp_rank: int) -> int:
     raise ValueError(f"pp_engine {p.pp_engine!r} has no in-flight formula")
 
 
+def split_backward_states(parallelism, m: int, pp_rank: int) -> list[tuple[int, int]]:
+    """Under zbv and dualpipev, whose backward runs to a stage's input first (I) and to its
+    weights later (W): the (microbatch-stages awaiting I, microbatch-stages between I and W)
+    pairs (k, w) at the rank's fullest moments. For every state torch's order passes through
+    one of these has at least its w and at least its k + w, so with a microbatch-stage between
+    I and W holding at least what it held before I, the memory peak is at one of them
+    (n = in_flight; the drain runs along k + w = pp + r up to its largest w):
+
+    zbv        (n, 0), (n - 1, 1) in the steady 1F-1I-1W, (pp - 1 - r, 2 r + 1) in the drain
+    dualpipev  (n, 0), (n - 2, 1) but on the last rank, (pp - 1 - r, r + 1)
+
+    Exact (each pair is reached) for zbv with m >= 2 pp - 1 and for dualpipev; for zbv with
+    fewer microbatches an upper bound. Other schedules run whole backwards: [(n, 0)]."""
+    p, r = parallelism, pp_rank
+    n = in_flight(p, m, r)
+    if not p.pp_enabled or p.pp_engine not in V_SCHEDULES:
+        return [(n, 0)]
+    if p.pp_engine == "zbv":
+        return [(n, 0), (n - 1, 1), (p.pp - 1 - r, 2 * r + 1)]
+    steady = [(n - 2, 1)] if r < p.pp - 1 else []  # the last rank's single I/W pairs come in its drain
+    return [(n, 0), *steady, (p.pp - 1 - r, r + 1)]
+
+
 def bubble_fraction(parallelism, m: int) -> float:
     """Idle share of a pipeline step under the unit cost model above (pp ranks p, m
     microbatches, v stages per rank):

@@ -283,3 +283,52 @@ def test_pp_bytes_count_the_boundaries_that_cross_ranks():
     assert sends("parallelism.pp_engine=1f1b") == [1, 1]
     assert sends("parallelism.pp_engine=interleaved_1f1b") == [3, 3]
     assert sends("parallelism.pp_engine=zbv") == [2, 2] == sends("parallelism.pp_engine=dualpipev")
+
+
+def split_states(actions) -> set[tuple[int, int]]:
+    """(awaiting I or B, between I and W) after each compute action of one rank."""
+    waiting, pending, seen = 0, 0, set()
+    for a in compute_actions(actions):
+        kind = a.computation_type.name
+        waiting += {"FORWARD": 1, "FULL_BACKWARD": -1, "BACKWARD_INPUT": -1}.get(kind, 0)
+        pending += {"BACKWARD_INPUT": 1, "BACKWARD_WEIGHT": -1}.get(kind, 0)
+        seen.add((waiting, pending))
+    return seen
+
+
+def test_split_backward_states_match_torch_orders():
+    """zbv and dualpipev: for every state (k, w) of torch's order one of
+    schedule_model.split_backward_states' pairs (u, v) has v >= w and u + v >= k + w (so it
+    bounds a k + b w for any b >= a >= 0), and each pair is reached where it claims exactness
+    (zbv with m >= 2 pp - 1, dualpipev always)."""
+    from dtensor3d.schedule_model import split_backward_states
+
+    checked = 0
+    for p, m in schedule_cases():
+        if p.pp_engine not in ("zbv", "dualpipev"):
+            continue
+        for r, actions in torch_order(p, m).items():
+            seen, pairs = split_states(actions), split_backward_states(p, m, r)
+            assert all(any(v >= w and u + v >= k + w for u, v in pairs) for k, w in seen), (p.pp_engine, p.pp, m, r)
+            if p.pp_engine == "dualpipev" or m >= 2 * p.pp - 1:
+                assert set(pairs) <= seen, (p.pp_engine, p.pp, m, r, pairs)
+            checked += 1
+    assert checked > 50
+
+
+def test_zbv_holds_the_recomputed_layer_until_its_weight_backward():
+    """pp 2 zbv, recompute full, 8 microbatches; rank 1 holds stages 1 and 2 (one layer each).
+    Before its I a microbatch-stage keeps the layer input and the stage output (2 x 8,192 B);
+    between I and W also the gradients W reads (74,752 B: the matmul outputs' size) and the
+    recomputed layer (140,288 B). torch's order passes (4, 0), (3, 1), (0, 3) (awaiting I,
+    between I and W): the peak is 3 x 231,424 B; plus one layer recomputing (140,288 B) and
+    the receive buffers (2 per stage and microbatch: 32 x 8,192 B)."""
+    from dtensor3d.estimate import split_backward_bytes
+
+    r = recipe("parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full")
+    assert split_backward_bytes(r, range(1)) == 74_752 + 140_288
+    row = estimate(r)["stages"][1]
+    assert row["pp_stages"] == [1, 2] and row["microbatches_in_flight"] == 4
+    assert row["activation_bytes"] == 3 * (16_384 + 74_752 + 140_288) + 140_288 + 32 * 8_192
+    # whole backwards (interleaved) hold nothing past their backward
+    assert split_backward_bytes(recipe("parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b"), range(1)) == 0
