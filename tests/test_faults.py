@@ -28,6 +28,7 @@ import pytest
 from conftest import PARITY, ROOT
 
 from dtensor3d.checkpoint import newest
+from dtensor3d.supervise import Failure, final_line, first_failure, summary
 
 STEPS = 12
 # The parity model on 2 ranks (dp=2), no validation: a few hundred ms a step on 2 cores.
@@ -224,6 +225,24 @@ def test_restart_with_a_rank_late_to_the_rendezvous(tmp_path):
         f"attempt {a} rank {r} sum 2" for a in (0, 1) for r in (0, 1)
     ], out[-4000:]
     assert "restarting (1 of MAX_RESTARTS=1): rank 1 exited with status 1" in out, out[-4000:]
+
+
+def test_first_failure_rule():
+    """supervise.first_failure on the agent's view of an attempt (times known to the second for
+    a signal): a killed rank comes before the peer that then failed in a collective; a rank that
+    timed out comes before the frozen one the agent SIGKILLed 30 s later; the agent's own
+    SIGTERM is never the cause; a deterministic exit (2) is seen as the first failure."""
+    killed, peer = Failure(1, -9, 100.0, None, None), Failure(0, 1, 100.7, "step 3: x", "step 3")
+    assert first_failure([peer, killed]) == killed
+    assert summary([peer, killed]) == "rank 1 was killed by SIGKILL (then rank 0: step 3)"
+    timed_out, frozen = Failure(0, 1, 100.2, "step 5: timeout", "step 5"), Failure(1, -9, 130.0, None, None)
+    assert first_failure([frozen, timed_out]) == timed_out
+    termed, door = Failure(1, -15, 100.0, None, None), Failure(0, 2, 100.0, None, None)
+    assert first_failure([termed, door]) == door
+    assert final_line([[peer, killed], [frozen, timed_out]], 1) == (
+        "error: the job failed after 1 restart(s) (MAX_RESTARTS=1); the first failure: rank 1 was killed by "
+        "SIGKILL (then rank 0: step 3); the last: rank 0 exited with status 1: step 5: timeout"
+    )
 
 
 def _unfreeze_when_rank0_ends(job: Job, frozen: int, rank0: int) -> None:
