@@ -716,6 +716,13 @@ def _validate_schedule(recipe: Recipe) -> None:
         ok, valid_v = v in (0, 1), "0 or 1 (one stage per rank)"
     if not ok:
         raise _fail(f"parallelism.pp_virtual_stages={v} does not fit pp_engine {p.pp_engine}; valid: {valid_v}")
+    if p.pp_enabled and p.pp_engine in V_SCHEDULES and p.recompute == "selective":
+        # Their split backward (input gradients, then weight gradients) recomputes each layer
+        # twice; torch's selective checkpoint lets a region's saved outputs be used only once.
+        raise _fail(
+            f"parallelism.recompute=selective does not work with pp_engine {p.pp_engine} (its split "
+            "backward recomputes each layer twice, which selective checkpointing refuses); valid: none or full"
+        )
     if not p.pp_enabled or p.stages_per_rank == 1:
         return
     stages = p.pp_stages

@@ -47,6 +47,7 @@ def test_stage_placement():
         (["parallelism.pp_engine=zbv", "parallelism.pp_virtual_stages=3"], "valid: 0 or 2"),
         (["parallelism.pp_engine=1f1b", "parallelism.pp_virtual_stages=2"], "valid: 0 or 1"),
         (["parallelism.pp_engine=zbv", "parallelism.pp_layers=[1, 3]"], "pp_layers applies to one stage per rank"),
+        (["parallelism.pp_engine=dualpipev", "parallelism.recompute=selective"], "valid: none or full"),
     ],
 )
 def test_refused_at_the_door(overrides, words):
