@@ -23,6 +23,8 @@ import re
 from pathlib import Path
 
 from dtensor3d.models import build_on_meta
+from dtensor3d.recipe import stage_layers
+from dtensor3d.schedule_model import stage_rank
 
 TP_DIM = {
     "self_attn.q_proj.weight": 0,
@@ -38,20 +40,15 @@ TP_DIM = {
 
 
 def stage_of(name: str, cfg, p) -> set[int]:
-    """The pipeline stages that hold parameter `name`."""
-    counts = list(
-        p.pp_layers or [cfg.num_hidden_layers // p.pp + (s < cfg.num_hidden_layers % p.pp) for s in range(p.pp)]
-    )
+    """The pipeline ranks that hold parameter `name` (with several stages per rank, the rank
+    of the global stage that holds it: schedule_model.stage_rank)."""
+    layers = stage_layers(cfg.num_hidden_layers, p.pp_stages, p.pp_layers)
     m = re.match(r"model\.layers\.(\d+)\.", name)
     if m:
-        layer, start = int(m[1]), 0
-        for stage, n in enumerate(counts):
-            if start <= layer < start + n:
-                return {stage}
-            start += n
+        return {stage_rank(p, s) for s, r in enumerate(layers) if int(m[1]) in r}
     if name.startswith("model.embed_tokens"):
         return {0}
-    return {p.pp - 1}  # final norm, head
+    return {stage_rank(p, p.pp_stages - 1)}  # final norm, head
 
 
 def mesh_sizes(p) -> dict[str, int]:

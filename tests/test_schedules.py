@@ -7,6 +7,7 @@ import json
 
 import pytest
 from conftest import PARITY, train_metrics
+from sharding import check_comm, check_layout
 from test_parity import TOL, assert_parity, scheduled_lrs
 
 from dtensor3d.errors import RecipeError
@@ -22,7 +23,11 @@ MESHES = {"pp2": ["parallelism.pp=2"], "pp2_dp2_tp2": ["parallelism.pp=2", "para
 def test_schedule_parity(engine, mesh, parity_reference, shared_run, record_property):
     overrides = [*MESHES[mesh], f"parallelism.pp_engine={engine}"]
     world = 2 if mesh == "pp2" else 8
-    got, _ = shared_run(world, overrides)
+    got, root = shared_run(world, [*overrides, "logging.layout=true"])
+    # Each rank holds the parameters of its stages (schedule_model.rank_stages) and hands each
+    # collective the bytes plan's estimate gives that pp rank.
+    check_layout(root / "run", load_recipe(PARITY, overrides))
+    check_comm(root / "run", load_recipe(PARITY, overrides))
     for key, rel in assert_parity(got, parity_reference, scheduled_lrs(PARITY, overrides)).items():
         record_property(f"max_rel_{key}", rel)
 
