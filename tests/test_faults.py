@@ -12,6 +12,7 @@ was saved before it is intact.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -42,13 +43,14 @@ def env(**extra: str) -> dict:
 
 
 class Job:
-    """`bash launch.sh ARGS` in its own process group (as a terminal runs it), output in files."""
+    """`bash launch.sh ARGS` (or `cmd`) in its own process group (as a terminal runs it),
+    output in files."""
 
-    def __init__(self, tmp: Path, name: str, args: list[str], **extra_env: str):
+    def __init__(self, tmp: Path, name: str, args: list[str], cmd: list[str] | None = None, **extra_env: str):
         self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                ["bash", "launch.sh", *args],
+                [*(cmd or ["bash", "launch.sh"]), *args],
                 cwd=ROOT,
                 env=env(**extra_env),
                 stdout=out,
@@ -61,6 +63,18 @@ class Job:
 
     def text(self) -> str:
         return self.out.read_text() + self.err.read_text()
+
+    def stop(self) -> None:
+        """SIGKILL the launcher and its ranks if still running (a failed test leaves nothing
+        behind: the ranks run in sessions of their own, out of the launcher's group)."""
+        if self.proc.poll() is not None:
+            return
+        ranks = self.workers().values()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
 
     def workers(self) -> dict[int, int]:
         """rank -> pid of the ranks now running (children of the launcher, which execs the agent)."""
@@ -123,18 +137,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def jobs():
+    """Job(...) for a test; those still running at its end are stopped (Job.stop)."""
+    started = []
+
+    def start(*args, **kwargs) -> Job:
+        started.append(Job(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.stop()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[tuple[int, float, float]]:
     """The uninterrupted run every interrupted one must equal bitwise."""
     tmp = tmp_path_factory.mktemp("ref")
     job = Job(tmp, "ref", [*BASE, f"training.steps={STEPS}", f"logging.run_dir={tmp / 'run'}"])
-    assert job.wait() == 0, job.text()[-4000:]
+    try:
+        assert job.wait() == 0, job.text()[-4000:]
+    finally:
+        job.stop()
     ref = losses(tmp / "run")
     assert [s for s, _, _ in ref] == list(range(1, STEPS + 1))
     return ref
 
 
-def test_preemption_sigterm_one_rank_then_ctrl_c_then_resume(tmp_path, reference):
+def test_preemption_sigterm_one_rank_then_ctrl_c_then_resume(tmp_path, reference, jobs):
     """SIGTERM to rank 1 alone: every rank stops after the same step, saves and exits 0.
     The resumed run gets Ctrl-C (SIGINT to launch.sh's process group): one line, exit 0, no
     traceback. The third launch finishes; steps 1..12 appear once; losses equal bitwise."""
@@ -146,7 +177,7 @@ def test_preemption_sigterm_one_rank_then_ctrl_c_then_resume(tmp_path, reference
         f"checkpoint.dir={ckpt}",
         "checkpoint.interval=100",
     ]
-    job = Job(tmp_path, "first", args)
+    job = jobs(tmp_path, "first", args)
     wait_until(at_step(run, 2), job, "step 2")
     os.kill(job.workers()[1], signal.SIGTERM)
     assert job.wait() == 0, job.text()[-4000:]
@@ -157,7 +188,7 @@ def test_preemption_sigterm_one_rank_then_ctrl_c_then_resume(tmp_path, reference
     assert 2 <= first_stop < STEPS and newest(str(ckpt)).endswith(f"step_{first_stop:08d}")
     assert f"resume from step {first_stop}" in lines[0]
 
-    job = Job(tmp_path, "second", args)
+    job = jobs(tmp_path, "second", args)
     wait_until(at_step(run, first_stop + 2), job, f"step {first_stop + 2}")
     os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C on a terminal does
     assert job.wait() == 0, job.text()[-4000:]
@@ -168,7 +199,7 @@ def test_preemption_sigterm_one_rank_then_ctrl_c_then_resume(tmp_path, reference
     second_stop = records(run)[-1]["step"]
     assert first_stop < second_stop < STEPS
 
-    job = Job(tmp_path, "third", args)
+    job = jobs(tmp_path, "third", args)
     assert job.wait() == 0, job.text()[-4000:]
     assert f"resumed from {ckpt / f'step_{second_stop:08d}'}" in job.text()
     assert losses(run) == reference  # each step once, bitwise the uninterrupted numbers
@@ -189,7 +220,7 @@ def _stop_mid_save(job: Job, ckpt: Path, after: int) -> None:
         wait_until(lambda s=tmp: not s.exists(), job, "that save to finish")
 
 
-def test_sigkill_mid_step_and_mid_background_save_restart(tmp_path, reference):
+def test_sigkill_mid_step_and_mid_background_save_restart(tmp_path, reference, jobs):
     """MAX_RESTARTS=2: rank 1 SIGKILLed mid-run, then rank 0 SIGKILLed while a background
     (checkpoint.async) save is half written. The agent restarts both times from the newest
     complete checkpoint (never the half-written one), one line per restart naming the killed
@@ -197,7 +228,7 @@ def test_sigkill_mid_step_and_mid_background_save_restart(tmp_path, reference):
     run, ckpt = tmp_path / "run", tmp_path / "ck"
     args = [*BASE, f"training.steps={STEPS}", f"logging.run_dir={run}", f"checkpoint.dir={ckpt}"]
     args += ["checkpoint.interval=2", "checkpoint.async=true"]
-    job = Job(tmp_path, "job", args, MAX_RESTARTS="2")
+    job = jobs(tmp_path, "job", args, MAX_RESTARTS="2")
     wait_until(at_step(run, 3), job, "step 3")
     os.kill(job.workers()[1], signal.SIGKILL)
     wait_until(lambda: job.text().count("checkpoint: resumed from") >= 1, job, "the first restart")
@@ -211,16 +242,16 @@ def test_sigkill_mid_step_and_mid_background_save_restart(tmp_path, reference):
     assert error_lines(job.text()) == [] and losses(run) == reference
 
 
-def test_restart_with_a_rank_late_to_the_rendezvous(tmp_path):
+def test_restart_with_a_rank_late_to_the_rendezvous(tmp_path, jobs):
     """The restarted round's rank 1 starts 5 s after its rank 0 (tests/dist_scripts/late_rank.py):
     with the rendezvous store shared by both rounds (torch's default) rank 0 read rank 1's
     address of the first round and gloo's connectFullMesh was refused; supervise.py gives each
     round a fresh store, so the restarted job completes."""
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=1"]
-    cmd = [sys.executable, "-m", "dtensor3d.supervise", "--nproc_per_node=2", *rdzv, "tests/dist_scripts/late_rank.py"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    supervise = [sys.executable, "-m", "dtensor3d.supervise", "--nproc_per_node=2"]
+    job = jobs(tmp_path, "job", [*rdzv, "tests/dist_scripts/late_rank.py"], cmd=supervise)
+    assert job.wait(120) == 0, job.text()[-4000:]
+    out = job.text()
     assert sorted(line for line in out.splitlines() if line.startswith("attempt")) == [
         f"attempt {a} rank {r} sum 2" for a in (0, 1) for r in (0, 1)
     ], out[-4000:]
@@ -252,7 +283,7 @@ def _unfreeze_when_rank0_ends(job: Job, frozen: int, rank0: int) -> None:
     os.kill(frozen, signal.SIGCONT)
 
 
-def test_failing_job_reports_the_first_failure_and_a_hang_once(tmp_path):
+def test_failing_job_reports_the_first_failure_and_a_hang_once(tmp_path, jobs):
     """MAX_RESTARTS=1. Attempt 1: rank 1 SIGKILLed (one `restarting` line). Attempt 2: rank 1
     frozen with SIGSTOP; rank 0's collective times out (training.timeout_s=20) within 60 s.
     The job stops with status 1 and exactly one `error:` line: the first failure of the job
@@ -260,7 +291,7 @@ def test_failing_job_reports_the_first_failure_and_a_hang_once(tmp_path):
     the step), not one line per rank that noticed."""
     run = tmp_path / "run"
     args = [*BASE, "training.steps=400", "training.timeout_s=20", f"logging.run_dir={run}"]
-    job = Job(tmp_path, "job", args, MAX_RESTARTS="1")
+    job = jobs(tmp_path, "job", args, MAX_RESTARTS="1")
     wait_until(at_step(run, 1), job, "step 1")
     os.kill(job.workers()[1], signal.SIGKILL)
     wait_until(lambda: job.text().count("dtensor3d: world") >= 2, job, "the restart")
@@ -316,7 +347,7 @@ def train_one(tmp: Path, *overrides: str, limit: int | None = None) -> subproces
 ABSURD_LR = ["optimizer.lr=1e30", "optimizer.min_lr=0", "optimizer.warmup_steps=0"]
 
 
-def test_nonfinite_stop_names_the_parameter_keeps_the_checkpoint_and_is_not_restarted(tmp_path):
+def test_nonfinite_stop_names_the_parameter_keeps_the_checkpoint_and_is_not_restarted(tmp_path, jobs):
     """lr 1e30 at dp 2 under launch.sh with MAX_RESTARTS=2: step 1 is fine, step 2's gradients
     overflow. stop: one error line naming step 2 and the first parameter whose gradient is
     non-finite; status 2 after one attempt (a deterministic failure is not restarted); step
@@ -324,7 +355,7 @@ def test_nonfinite_stop_names_the_parameter_keeps_the_checkpoint_and_is_not_rest
     ckpt = tmp_path / "ck"
     args = [*BASE, *ABSURD_LR, "training.steps=6", f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={ckpt}",
             "checkpoint.interval=1"]  # fmt: skip
-    job = Job(tmp_path, "job", args, MAX_RESTARTS="2")
+    job = jobs(tmp_path, "job", args, MAX_RESTARTS="2")
     assert job.wait() == 2, job.text()[-3000:]
     assert job.text().count("dtensor3d: world") == 1 and "restarting" not in job.text(), job.text()[-3000:]
     lines = error_lines(job.text())

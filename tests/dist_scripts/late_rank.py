@@ -25,7 +25,7 @@ if attempt == 1 and rank == 1:
 dist.init_process_group("gloo")
 total = torch.ones(1)
 dist.all_reduce(total)
-print(f"attempt {attempt} rank {rank} sum {total.item():g}", flush=True)
+os.write(1, f"attempt {attempt} rank {rank} sum {total.item():g}\n".encode())  # one write: lines not interleaved
 dist.destroy_process_group()
 if attempt == 0 and rank == 1:
     sys.exit(1)
