@@ -23,9 +23,10 @@ TOL = 1e-5
 CONFIGS = {
     "dp2": ["parallelism.dp=2"],
     "dp2_replicate": ["parallelism.dp=2", "parallelism.dp_mode=replicate"],
-    "tp2_all_reduce": ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE"],
+    # tp alone: ALL_REDUCE at tp 4 (one kv head per rank), sequence parallel at tp 2. (tp 2
+    # ALL_REDUCE alone is left out: tp4 and the dp2_tp2 configurations below cover it.)
     "tp2_reduce_scatter": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
-    "tp4": ["parallelism.tp=4"],
+    "tp4": ["parallelism.tp=4", "parallelism.tp_mode=ALL_REDUCE"],
     "pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_engine=1f1b"],
     "pp2_afab": ["parallelism.pp=2", "parallelism.pp_engine=afab"],
     "pp4_1f1b_8mb": ["parallelism.pp=4"],
