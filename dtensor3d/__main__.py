@@ -104,10 +104,11 @@ def _validate(args) -> None:
             f"NNODES={args.nnodes}: the world size {world} is not divisible by it; valid: a divisor of {world}"
         )
     check_machine(recipe, local_processes=world // args.nnodes)
-    _check_checkpoints(recipe, hashes=True)
     from .datasets.door import check_data_at_door
 
+    # The data first: refused data leaves nothing behind (the checkpoint check creates checkpoint.dir).
     check_data_at_door(recipe, hashes=True)  # data.path: files, sizes, sha256, ids against vocab_size
+    _check_checkpoints(recipe, hashes=True)
     print(world // args.nnodes)
 
 
@@ -121,10 +122,10 @@ def _train(args) -> None:
         )
     validate(recipe, world_size=world if world is not None else 1)
     check_machine(recipe, local_processes=_env_int("LOCAL_WORLD_SIZE") or 1)
-    _check_checkpoints(recipe, hashes=False, lock=False)  # sha256: by the ranks; the lock: next
     from .datasets.door import check_data_at_door
 
     check_data_at_door(recipe, hashes=False)  # sha256: by validate (launch.sh)
+    _check_checkpoints(recipe, hashes=False, lock=False)  # sha256: by the ranks; the lock: next
     from .checkpoint import hold
     from .train import train
 

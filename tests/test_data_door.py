@@ -191,7 +191,9 @@ def refuse_each(data, extra, commands, run_dir, capsys) -> str:
     was; launch.sh prints nothing on stdout (no process count, so no torchrun)."""
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-    args = [PARITY, "data.kind=tokens", f"data.path={data}", f"logging.run_dir={run_dir}", *extra]
+    ckpt = run_dir.parent / "ck"  # refused data creates no checkpoint directory either
+    args = [PARITY, "data.kind=tokens", f"data.path={data}", f"logging.run_dir={run_dir}", f"checkpoint.dir={ckpt}"]
+    args += extra
     lines = set()
     for command in commands:
         if command == "launch.sh":
@@ -205,7 +207,7 @@ def refuse_each(data, extra, commands, run_dir, capsys) -> str:
             err = captured.err.strip().splitlines()
             assert len(err) == 1 and err[0].startswith("error: ") and captured.out == "", (command, captured)
             lines.add(err[0])
-        assert os.listdir(run_dir) == ["metrics.jsonl"], command
+        assert os.listdir(run_dir) == ["metrics.jsonl"] and not ckpt.exists(), command
         assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
     assert len(lines) == 1, lines
     return lines.pop()
