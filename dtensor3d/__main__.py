@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from .errors import UserError
+from .errors import UserError, say
 from .preflight import check_machine
 from .recipe import RecipeError, load_recipe, validate
 
@@ -199,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         COMMANDS[command](args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     except UserError as e:
-        rank = os.environ.get("RANK", "0")
-        if not rank.strip().isdigit() or int(rank) == 0:  # one line per job, not one per rank
-            print(f"error: {e}", file=sys.stderr)
+        say(e)  # one line per job, not one per rank
         return 2
     except BrokenPipeError:  # `plan ... | head`: the reader has what it wanted
         if command == "train":

@@ -27,3 +27,24 @@ class DataError(UserError):
 
 class EnvError(UserError):
     """A wrong environment: variables, devices, unwritable directories."""
+
+
+def say(err: UserError) -> None:
+    """The job's one `error:` line for `err`. Rank 0 prints it. Another rank under launch.sh
+    (supervise.py) records it in torch's error file for the supervisor, which prints it when
+    rank 0 did not fail the same way (an error only that rank saw); elsewhere it stays quiet
+    (rank 0 says the same)."""
+    import json
+    import os
+    import sys
+    import time
+
+    line, rank = f"error: {err}", os.environ.get("RANK", "0")
+    if not rank.strip().isdigit() or int(rank) == 0:
+        print(line, file=sys.stderr)
+        return
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get("DTENSOR3D_SUPERVISED") == "1" and path:
+        record = {"message": line, "timestamp": int(time.time()), "dtensor3d": {"line": line, "time": time.time()}}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f)

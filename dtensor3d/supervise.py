@@ -234,7 +234,9 @@ def main(argv: list[str]) -> int:
         print("error: the rendezvous was closed: another node's agent ended the job", file=sys.stderr, flush=True)
         return 1
     first = first_failure(agent.attempts[-1])
-    if first.exitcode == DETERMINISTIC:  # the workers printed their one `error:` line
+    if first.exitcode == DETERMINISTIC:  # rank 0 printed its one `error:` line (errors.say)...
+        if first.line and not any(f.rank == 0 and f.exitcode == DETERMINISTIC for f in agent.attempts[-1]):
+            print(first.line, file=sys.stderr, flush=True)  # ...unless only another rank saw the error
         return DETERMINISTIC
     print(final_line(agent.attempts, args.max_restarts), file=sys.stderr, flush=True)
     return 1

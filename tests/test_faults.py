@@ -258,6 +258,20 @@ def test_restart_with_a_rank_late_to_the_rendezvous(tmp_path, jobs):
     assert "restarting (1 of MAX_RESTARTS=1): rank 1 exited with status 1" in out, out[-4000:]
 
 
+def test_an_error_only_rank_1_sees_is_one_line_and_not_restarted(tmp_path, jobs):
+    """A wrong input that only rank 1 meets (tests/dist_scripts/rank1_error.py): rank 0, which
+    prints the job's errors, has nothing to say; the supervisor prints rank 1's line once and
+    ends with status 2 at the first attempt, MAX_RESTARTS notwithstanding."""
+    starts = tmp_path / "starts"
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=2"]
+    supervise = [sys.executable, "-m", "dtensor3d.supervise", "--nproc_per_node=2"]
+    job = jobs(tmp_path, "job", [*rdzv, "tests/dist_scripts/rank1_error.py", str(starts)], cmd=supervise)
+    assert job.wait(120) == 2, job.text()[-4000:]
+    assert error_lines(job.text()) == ["error: data.path: shard 7 is unreadable (only rank 1 reads it)"], job.text()
+    assert sorted(starts.read_text().splitlines()) == ["start rank 0", "start rank 1"]
+    no_traceback(job)
+
+
 def test_first_failure_rule():
     """supervise.first_failure on the agent's view of an attempt (times known to the second for
     a signal): a killed rank comes before the peer that then failed in a collective; a rank that
