@@ -30,17 +30,16 @@ CONFIGS = {
     "pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_engine=1f1b"],
     "pp2_afab": ["parallelism.pp=2", "parallelism.pp_engine=afab"],
     "pp4_1f1b_8mb": ["parallelism.pp=4"],
-    "dp2_tp2": ["parallelism.dp=2", "parallelism.tp=2"],
     "tp2_pp2": ["parallelism.tp=2", "parallelism.pp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
     "dp2_pp2": ["parallelism.dp=2", "parallelism.pp=2"],
     "dp2_tp2_pp2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"],
+    # dp 2 x tp 2 runs with recompute and with tied embeddings (no plain dp2_tp2 run: suite time).
     "dp2_tp2_recompute": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute_layer=true"],
     "dp2_tp2_tied_embeddings": ["parallelism.dp=2", "parallelism.tp=2", "model.tie_word_embeddings=true"],
     # Context parallelism (nanotron's key and the short alias).
     "cp2": ["parallelism.context_parallel_size=2"],
     "cp4": ["parallelism.cp=4"],
-    "cp2_tp2_all_reduce": ["parallelism.cp=2", "parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE"],
-    "cp2_tp2_reduce_scatter": ["parallelism.cp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    # cp x tp: ALL_REDUCE in dp2_cp2_tp2, REDUCE_SCATTER in pp2_dp2_cp2_tp2 (no 4-rank cp2_tp2 runs: suite time).
     "cp2_dp2": ["parallelism.cp=2", "parallelism.dp=2"],
     "cp2_dp2_replicate": ["parallelism.cp=2", "parallelism.dp=2", "parallelism.dp_mode=replicate"],
     "cp2_pp2": ["parallelism.cp=2", "parallelism.pp=2"],
