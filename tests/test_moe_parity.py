@@ -14,7 +14,7 @@ MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
 CONFIGS = {
     "ep2": ["parallelism.ep=2"],
     "ep4": ["parallelism.expert_parallel_size=4"],
-    "ep2_tp2_all_reduce": ["parallelism.ep=2", "parallelism.tp=2"],
+    # ep 2 x tp 2 ALL_REDUCE: in ep2_tp2_moe_layers_shared_expert and ep2_pp2_dp2_tp2 (suite time).
     "ep2_tp2_reduce_scatter": ["parallelism.ep=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
     "ep2_dp2": ["parallelism.ep=2", "parallelism.dp=2"],
     "ep2_dp2_replicate": ["parallelism.ep=2", "parallelism.dp=2", "parallelism.dp_mode=replicate"],
