@@ -23,9 +23,9 @@ from .recipe import V_SCHEDULES
 
 
 def rank_stages(parallelism, pp_rank: int) -> list[int]:
-    """The global stage indices pp rank `pp_rank` holds (parallel/pipeline.local_stages,
-    without torch): interleaved_1f1b loops (r, r + pp, ...), zbv and dualpipev fold a V
-    (r and 2 pp - 1 - r), 1f1b and afab one stage (r)."""
+    """The global stage indices pp rank `pp_rank` holds, in its schedule's order (the one
+    rule; parallel/pipeline.local_stages builds from it): interleaved_1f1b loops (r, r + pp,
+    ...), zbv and dualpipev fold a V (r and 2 pp - 1 - r), 1f1b and afab one stage (r)."""
     p = parallelism
     if not p.pp_enabled:
         return [0]

@@ -32,7 +32,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
 
 from ..models import build_on_meta
-from ..recipe import V_SCHEDULES, stage_layers  # torch-free (plan uses it); importable from here as before
+from ..recipe import stage_layers  # torch-free (plan uses it); importable from here as before
+from ..schedule_model import rank_stages
 from .shards import local
 
 
@@ -81,13 +82,9 @@ SCHEDULES = {
 
 
 def local_stages(pp_rank: int, parallelism) -> list[int]:
-    """The global stage indices this pp rank holds, in the order its schedule lists them."""
-    p = parallelism
-    if not p.pp_enabled:
-        return [0]
-    if p.pp_engine in V_SCHEDULES:
-        return [pp_rank, 2 * p.pp - 1 - pp_rank]
-    return [pp_rank + k * p.pp for k in range(p.stages_per_rank)]
+    """The global stage indices this pp rank holds, in the order its schedule lists them
+    (schedule_model.rank_stages: the torch-free rule plan's estimate uses too)."""
+    return rank_stages(parallelism, pp_rank)
 
 
 def holds_first_stage(pp_rank: int, parallelism) -> bool:
