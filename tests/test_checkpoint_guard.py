@@ -99,7 +99,8 @@ def ckpt(base, tmp_path) -> Path:
 @contextlib.contextmanager
 def read_only_dir(path: Path):
     """An existing directory nobody can write: chmod 0555, or for root (whom chmod does not
-    stop) a read-only tmpfs mounted there; skipped where neither is possible."""
+    stop) a read-only tmpfs mounted there, or where root may not mount, an immutable
+    directory (chattr +i); skipped only where none of the three is possible."""
     path.mkdir()
     if os.geteuid() != 0:
         path.chmod(0o555)
@@ -108,12 +109,16 @@ def read_only_dir(path: Path):
         finally:
             path.chmod(0o755)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(path)], capture_output=True).returncode:
-        pytest.skip("root without mount: no read-only directory to test with")
+    if not subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(path)], capture_output=True).returncode:
+        undo = ["umount", str(path)]
+    elif not subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        undo = ["chattr", "-i", str(path)]
+    else:
+        pytest.skip("root who may neither mount nor chattr +i: no unwritable directory to test with")
     try:
         yield path
     finally:
-        subprocess.run(["umount", str(path)], check=True)
+        subprocess.run(undo, check=True)
 
 
 # ---------------------------------------------------------------- resume keeps the trajectory
