@@ -60,18 +60,30 @@ def run_on_read_only(target: Path, argv: list[str], cwd: Path) -> subprocess.Com
 
 @pytest.mark.parametrize("where", ["run_dir", "parent"])
 def test_read_only_run_dir_refused_at_the_door(tmp_path, where):
+    """A read-only mount where this process may make one; else (root without CAP_SYS_ADMIN,
+    as on this CI) an immutable directory (chattr +i), which root cannot write either."""
     target = tmp_path / "ro"
     target.mkdir()
-    if not read_only_mount_works(target):
-        pytest.skip("no private read-only mount here (needs CAP_SYS_ADMIN)")
+    mounted = read_only_mount_works(target)
+    if not mounted and subprocess.run(["chattr", "+i", str(target)], capture_output=True).returncode:
+        pytest.skip("neither a private read-only mount (needs CAP_SYS_ADMIN) nor chattr +i here")
     run_dir = target if where == "run_dir" else target / "run"
-    for argv in (
-        [sys.executable, "-m", "dtensor3d", "validate", RECIPE, f"logging.run_dir={run_dir}"],
-        [sys.executable, "-m", "dtensor3d", "train", RECIPE, f"logging.run_dir={run_dir}"],
-        ["bash", str(REPO / "launch.sh"), RECIPE, f"logging.run_dir={run_dir}"],
-    ):
-        line = one_error_line(run_on_read_only(target, argv, tmp_path))
-        assert f"logging.run_dir='{run_dir}'" in line and "read-only file system" in line, line
+    try:
+        for argv in (
+            [sys.executable, "-m", "dtensor3d", "validate", RECIPE, f"logging.run_dir={run_dir}"],
+            [sys.executable, "-m", "dtensor3d", "train", RECIPE, f"logging.run_dir={run_dir}"],
+            ["bash", str(REPO / "launch.sh"), RECIPE, f"logging.run_dir={run_dir}"],
+        ):
+            if mounted:
+                line = one_error_line(run_on_read_only(target, argv, tmp_path))
+                assert f"logging.run_dir='{run_dir}'" in line and "read-only file system" in line, line
+            else:
+                proc = subprocess.run(argv, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+                line = one_error_line(proc)
+                assert f"logging.run_dir='{run_dir}'" in line and "not writable (permission denied)" in line, line
+    finally:
+        if not mounted:
+            subprocess.run(["chattr", "-i", str(target)], check=True)
     # The same directory, writable: accepted (the refusal above is the mount, not the path).
     proc = subprocess.run(
         [sys.executable, "-m", "dtensor3d", "validate", RECIPE, f"logging.run_dir={run_dir}"],
