@@ -15,13 +15,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from . import checkpoint, faults
 from .datasets.sources import epoch_note, make_source
@@ -38,6 +38,9 @@ from .parallel.parallelize import parallelize_stages
 from .parallel.shards import copy_full_, local, write_layout
 from .profiling import StepProfiler
 from .recipe import Recipe
+
+if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -19,27 +19,26 @@ global (model.layers.<i>...) whatever the schedule, and a checkpoint moves betwe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
-from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
 
 from ..models import build_on_meta
 from ..recipe import stage_layers  # torch-free (plan uses it); importable from here as before
 from ..schedule_model import rank_stages
 from .shards import local
 
+if TYPE_CHECKING:  # torch.distributed.pipelining is imported when a schedule is built: it
+    # brings in torch._dynamo (~0.8 s per process), which a run without pp never needs
+    from torch.distributed.pipelining.schedules import _Action
+
 
 def forward_actions(order: dict[int, list[_Action | None]]) -> dict[int, list[_Action]]:
     """A compute-only pipeline order less its backward actions (overlapped F+B keeps its F):
     the forward-only order of an evaluation, in the training order's sequence."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
     forward = _ComputationType.FORWARD
     out: dict[int, list[_Action]] = {}
     for rank, actions in order.items():
@@ -56,6 +55,8 @@ class ForwardOnlyEval:
     (torch 2.13's `eval` on them still executes the backward actions and fails.)"""
 
     def eval(self, *args, **kwargs):
+        from torch.distributed.pipelining.schedules import _add_send_recv, _add_unshard_reshard
+
         train_order = self.pipeline_order_with_comms
         # torch's lowering (_prepare_schedule_with_comms) less its checks, which ask for backwards
         order = {rank: _add_unshard_reshard(actions) for rank, actions in forward_actions(self.pipeline_order).items()}
@@ -68,17 +69,21 @@ class ForwardOnlyEval:
             self.pipeline_order_with_comms = train_order
 
 
-def _with_eval(cls):
+def schedule_class(pp_engine: str) -> type:
+    """torch's schedule class for `parallelism.pp_engine` (the multi-stage ones with
+    ForwardOnlyEval's `eval`)."""
+    from torch.distributed import pipelining as pl
+
+    single = {"1f1b": pl.Schedule1F1B, "afab": pl.ScheduleGPipe}
+    if pp_engine in single:
+        return single[pp_engine]
+    multi = {
+        "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+        "zbv": pl.ScheduleZBVZeroBubble,
+        "dualpipev": pl.ScheduleDualPipeV,
+    }
+    cls = multi[pp_engine]
     return type(cls.__name__, (ForwardOnlyEval, cls), {"__doc__": cls.__doc__})
-
-
-SCHEDULES = {
-    "1f1b": Schedule1F1B,
-    "afab": ScheduleGPipe,
-    "interleaved_1f1b": _with_eval(ScheduleInterleaved1F1B),
-    "zbv": _with_eval(ScheduleZBVZeroBubble),
-    "dualpipev": _with_eval(ScheduleDualPipeV),
-}
 
 
 def local_stages(pp_rank: int, parallelism) -> list[int]:
@@ -128,9 +133,11 @@ def build_schedule(
     token count of the whole global batch."""
     if not parallelism.pp_enabled:
         return None
+    from torch.distributed.pipelining import PipelineStage
+
     group, total = mesh["pp"].get_group(), parallelism.pp_stages
     stages = [PipelineStage(module, index, total, device, group=group) for index, module in parts]
-    schedule_cls = SCHEDULES[parallelism.pp_engine]
+    schedule_cls = schedule_class(parallelism.pp_engine)
     first = stages if parallelism.stages_per_rank > 1 else stages[0]
     return schedule_cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
