@@ -29,8 +29,9 @@ the SwiGLU intermediates; under `recompute: full` only each layer's input, under
 under pp, what the schedule keeps (each stage's output per microbatch-stage in flight,
 schedule_model.in_flight; per microbatch of the step, receive buffers and the last
 stage's logits; under zbv's and dualpipev's split backward, what a stage holds between its
-backward to the input and to the weights: `split_backward_bytes`). bench/plan_accuracy.py
-measures it (pp2 zbv with full recompute is still 16-21% above the estimate).
+backward to the input and to the weights: `split_backward_bytes`, and with full recompute
+the layer copies its weight backward recomputes, one per parameter tensor:
+`weight_pass_bytes`). bench/plan_accuracy.py measures it.
 """
 
 from __future__ import annotations
@@ -289,23 +290,60 @@ def virtual_stage_bytes(recipe, layers: range, first: bool, last: bool) -> tuple
 def split_backward_bytes(recipe, layers) -> int:
     """What a microbatch-stage holds between its backward to the input (I) and to the weights
     (W) under zbv / dualpipev beyond what it kept before I: torch retains the stage's graph for
-    W, with the gradients W reads (about the matmul outputs' size) -- and under recompute the
-    layer recomputed for I, which stays in the checkpoint until W (its whole activations)."""
+    W, with the gradients W reads (about the matmul outputs' size). Under recompute the layer
+    recomputed for I does not outlive I (I reads every saved tensor it recomputed: measured,
+    after I a stage holds these gradients and its input's gradient only); W recomputes
+    again, `weight_pass_bytes`."""
     p, z = recipe.parallelism, sizes(recipe)
     if p.pp_engine not in V_SCHEDULES or not p.pp_enabled:
         return 0
     n_moe = _moe_layers(recipe, layers)
     kinds = [True] * n_moe + [False] * (len(layers) - n_moe)
     residual = z.seq_tokens * z.hidden * FP32
-    grads = sum(selective_layer_bytes(recipe, moe) - residual for moe in kinds)
-    recomputed = sum(layer_activation_bytes(recipe, moe) for moe in kinds) if p.recompute != "none" else 0
-    return grads + recomputed
+    return sum(selective_layer_bytes(recipe, moe) - residual for moe in kinds)
+
+
+def _layer_param_tensors(recipe, layer: int) -> int:
+    return sum(1 for name in param_shapes(recipe.model) if layer_of(name) == layer)
+
+
+def weight_pass_bytes(recipe, layers, first: bool) -> int:
+    """What one W (backward to the weights) of a stage holds at its peak under zbv / dualpipev
+    with `recompute: full` (0 otherwise, and on the first stage: torch skips its I and its W
+    is one whole backward, one recomputation per layer as in any backward).
+
+    torch's stage_backward_weight calls autograd.grad once per parameter group (one per
+    parameter tensor here: each weight's gradient starts at its own op), each call a new graph
+    task, and torch.utils.checkpoint (non-reentrant) keeps recomputed tensors per graph task:
+    every call re-runs the layer's forward and stores all its saved tensors, of which the call
+    reads only its own op's. The rest stays referenced from the stage's graph, which W frees
+    only after its last group (the layers of a stage chain one graph). A group that has run
+    frees its op's saved input in every copy (the two norms' normalised outputs, the linears'
+    inputs: R). So at the last group a layer with G parameter tensors and activations A holds
+    G - 1 copies of A - R and one whole recomputation: G (A - R) + R; each earlier layer of
+    the stage its G copies. Measured on one parity layer (tests/test_plan_accuracy.py):
+    1,021,696 B above what I left (7.3 A), modelled 934,912; a 2-layer stage 1,854,976
+    against 1,828,864. Selective recompute does not run under these schedules (torch fails in
+    the first backward), so is not modelled."""
+    p, z = recipe.parallelism, sizes(recipe)
+    if first or p.recompute != "full" or p.pp_engine not in V_SCHEDULES or not p.pp_enabled:
+        return 0
+    copies, released = 0, [0]
+    for i in layers:
+        moe = _moe_layers(recipe, range(i, i + 1)) == 1
+        # norms' normalised outputs, q/k/v's and o's inputs; gate/up's (an MoE's expert inputs: kept)
+        r = 2 * z.seq_tokens * z.hidden * FP32 + _linear_inputs(z, 3) + z.tokens * z.q_width * z.compute
+        r += 0 if moe else _linear_inputs(z, 2)
+        copies += _layer_param_tensors(recipe, i) * (layer_activation_bytes(recipe, moe) - r)
+        released.append(r)
+    return copies + max(released)
 
 
 def stage_activation_bytes(recipe, part: Part) -> tuple[int, int, int]:
     """(bytes one microbatch leaves on this pp rank through all its stages, bytes of the
     microbatch-stages in flight at the peak, bytes alive once per step: recomputation's one
-    layer and the pipeline's buffers). The peak is the largest of schedule_model's
+    layer -- or a split W's copies, weight_pass_bytes -- and the pipeline's buffers). The
+    peak is the largest of schedule_model's
     split_backward_states (k awaiting their backward, w between I and W; whole backwards:
     w = 0) at the largest non-last stage's bytes; with several stages per rank the last stage
     never has more than one microbatch in flight, counted once at its own size."""
@@ -313,7 +351,8 @@ def stage_activation_bytes(recipe, part: Part) -> tuple[int, int, int]:
     kept, held, once = [], [], []
     for s, layers in zip(part.stages, part.stage_layers):
         k, o = virtual_stage_bytes(recipe, layers, s == 0, s == last_index)
-        kept, held, once = kept + [k], held + [k + split_backward_bytes(recipe, layers)], once + [o]
+        kept, held = kept + [k], held + [k + split_backward_bytes(recipe, layers)]
+        once.append(max(o, weight_pass_bytes(recipe, layers, s == 0)))
     pairs = split_backward_states(recipe.parallelism, recipe.num_microbatches, part.rank)
     others = [i for i, s in enumerate(part.stages) if s != last_index]
     if part.last and others:

@@ -112,7 +112,7 @@ def torch_order(p, m: int) -> dict[int, list]:
     from torch.distributed.pipelining.schedules import _Action
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    from dtensor3d.parallel.pipeline import SCHEDULES
+    from dtensor3d.parallel.pipeline import schedule_class
 
     if p.pp_engine == "1f1b":
         out = {}
@@ -129,11 +129,11 @@ def torch_order(p, m: int) -> dict[int, list]:
         pp_group_size=p.pp, n_local_stages=v, microbatches_per_round=m // rounds, _n_microbatches=m,
         num_stages=v * p.pp, _num_stages=p.pp,
     )  # fmt: skip
-    cls = SCHEDULES[p.pp_engine].__mro__[-3] if p.pp_engine != "afab" else SCHEDULES["afab"]
+    cls = schedule_class(p.pp_engine).__mro__[-3] if p.pp_engine != "afab" else schedule_class("afab")
     if p.pp_engine == "afab":
         order = cls._get_pipeline_order(fake)
     else:
-        cls = next(k for k in SCHEDULES[p.pp_engine].__mro__ if "_calculate_single_rank_operations" in k.__dict__)
+        cls = next(k for k in schedule_class(p.pp_engine).__mro__ if "_calculate_single_rank_operations" in k.__dict__)
         order = {r: cls._calculate_single_rank_operations(fake, r) for r in range(p.pp)}
     return {
         r: [a for a in acts if a is not None and a.computation_type.name != "REDUCE_GRAD"] for r, acts in order.items()
@@ -316,19 +316,24 @@ def test_split_backward_states_match_torch_orders():
     assert checked > 50
 
 
-def test_zbv_holds_the_recomputed_layer_until_its_weight_backward():
+def test_zbv_weight_backward_holds_a_recomputation_per_parameter():
     """pp 2 zbv, recompute full, 8 microbatches; rank 1 holds stages 1 and 2 (one layer each).
     Before its I a microbatch-stage keeps the layer input and the stage output (2 x 8,192 B);
-    between I and W also the gradients W reads (74,752 B: the matmul outputs' size) and the
-    recomputed layer (140,288 B). torch's order passes (4, 0), (3, 1), (0, 3) (awaiting I,
-    between I and W): the peak is 3 x 231,424 B; plus one layer recomputing (140,288 B) and
-    the receive buffers (2 per stage and microbatch: 32 x 8,192 B)."""
-    from dtensor3d.estimate import split_backward_bytes
+    between I and W also the gradients W reads (74,752 B: the matmul outputs' size; I's
+    recomputed layer is gone). torch's order passes (4, 0), (3, 1), (0, 3) (awaiting I,
+    between I and W): 3 x 91,136 B. A W recomputes the layer once per parameter tensor (9)
+    and keeps the copies until it ends: 9 x (140,288 - 40,960 B its groups free) + 40,960
+    (tests/test_plan_accuracy.py measures it); plus the receive buffers (2 per stage and
+    microbatch: 32 x 8,192 B). Stage 0's W is a whole backward: one recomputation."""
+    from dtensor3d.estimate import split_backward_bytes, weight_pass_bytes
 
     r = recipe("parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full")
-    assert split_backward_bytes(r, range(1)) == 74_752 + 140_288
+    assert split_backward_bytes(r, range(1)) == 74_752
+    assert weight_pass_bytes(r, range(1, 2), first=False) == 9 * (140_288 - 40_960) + 40_960
+    assert weight_pass_bytes(r, range(1), first=True) == 0
     row = estimate(r)["stages"][1]
     assert row["pp_stages"] == [1, 2] and row["microbatches_in_flight"] == 4
-    assert row["activation_bytes"] == 3 * (16_384 + 74_752 + 140_288) + 140_288 + 32 * 8_192
-    # whole backwards (interleaved) hold nothing past their backward
+    assert row["activation_bytes"] == 3 * (16_384 + 74_752) + 9 * (140_288 - 40_960) + 40_960 + 32 * 8_192
+    # whole backwards (interleaved) hold nothing past their backward; no recompute: no W copies
     assert split_backward_bytes(recipe("parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b"), range(1)) == 0
+    assert weight_pass_bytes(recipe("parallelism.pp=2", "parallelism.pp_engine=zbv"), range(1, 2), first=False) == 0

@@ -78,3 +78,52 @@ def test_interleaved_selective_against_measurement():
         }
         assert r["comm"] == expected_comm(row["comm_bytes_per_step"], r["comm"]), r["rank"]
         assert abs(row["peak_bytes"] - r["peak"]) <= 0.15 * r["peak"], (r["rank"], row["peak_bytes"], r["peak"])
+
+
+def _split_backward_live_bytes(recipe, layers: int) -> tuple[int, int]:
+    """(live bytes I leaves, W's peak above that) for a stage of `layers` decoder layers of
+    `recipe`'s model: forward, torch's stage_backward_input, stage_backward_weight."""
+    from torch import nn
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from dtensor3d.models.layers import ModelHooks
+    from dtensor3d.models.llama import DecoderLayer
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(*[DecoderLayer(recipe.model, ModelHooks(recompute="full")) for _ in range(layers)])
+    params = list(stage.parameters())
+    for q in params:
+        q.grad = torch.zeros_like(q)  # the step's gradients exist already (counted as grad_bytes)
+    with LiveBytes() as live:
+        for q in params:
+            live.track(q)
+        x, dy = torch.randn(1, 32, 64, requires_grad=True), torch.randn(1, 32, 64)
+        y = stage(x)
+        before_i = live.now
+        _, groups = stage_backward_input([y], [dy], [x], iter(params))
+        live.reset_peak()
+        after_i = live.now
+        stage_backward_weight(iter(params), groups)
+        return after_i - before_i, live.peak - after_i
+
+
+def test_zbv_weight_backward_recomputes_each_layer_per_parameter():
+    """In one process, torch's own split backward (PipelineStage's I and W under zbv) through
+    checkpointed parity layers (recompute full; 32 tokens, 8 KiB residual), live bytes
+    counted. I leaves the gradients W reads and the input's gradient (8 KiB) -- not the layer
+    it recomputed. W recomputes each layer once per parameter tensor (9) and keeps those
+    copies until it ends: over 6 layers' activations per layer, within 15% of the estimate's
+    weight_pass_bytes for 1 and 2 layers."""
+    from dtensor3d.estimate import layer_activation_bytes, split_backward_bytes, weight_pass_bytes
+    from dtensor3d.recipe import load_recipe
+
+    overrides = ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full"]
+    recipe = load_recipe(str(Path(__file__).parent / "recipes/parity.yaml"), overrides)
+    for layers in (1, 2):
+        after_i, weight_pass = _split_backward_live_bytes(recipe, layers)
+        span = range(1, 1 + layers)  # a stage other than the first (the first's W is a whole backward)
+        assert abs(after_i - (split_backward_bytes(recipe, span) + 8_192)) <= 0.15 * after_i, (layers, after_i)
+        assert weight_pass > 6 * layers * layer_activation_bytes(recipe, False), (layers, weight_pass)
+        estimated = weight_pass_bytes(recipe, span, first=False)
+        assert abs(estimated - weight_pass) <= 0.15 * weight_pass, (layers, estimated, weight_pass)
+    assert weight_pass_bytes(recipe, range(1), first=True) == 0
