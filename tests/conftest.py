@@ -35,6 +35,35 @@ def parity_reference(tmp_path_factory):
     return train_metrics(tmp_path_factory.mktemp("ref"), 1, [])
 
 
+# The parity runs' short form: 6 steps (validation at 5 and at the last) of microbatches of
+# 2. A DTensor step's cost on CPU is per microbatch (its collectives and dispatch, not its
+# arithmetic), so this halves a run's steps; warmup, decay, clipping and evaluation are all
+# still inside. The 10-step recipe stays for the runs whose checkpoints other tests use.
+SHORT = ["training.steps=6", "training.micro_batch_size=2"]
+
+
+def short(overrides: list[str], keep: tuple[str, ...] = ()) -> list[str]:
+    """SHORT's keys under `overrides` (a key the overrides set wins); `keep`: SHORT's keys to
+    leave as the recipe has them (e.g. micro_batch_size where a schedule needs microbatches)."""
+    given = {o.split("=")[0] for o in overrides} | set(keep)
+    return [o for o in SHORT if o.split("=")[0] not in given] + list(overrides)
+
+
+@pytest.fixture(scope="session")
+def reference(parity_reference, tmp_path_factory):
+    """reference(overrides, recipe): the 1-process run of `recipe` with the overrides' keys
+    other than parallelism.*, each trained once per session."""
+    cache = {(PARITY, ()): parity_reference}
+
+    def get(overrides: list[str], recipe: str = PARITY) -> list[dict]:
+        key = (recipe, tuple(sorted(o for o in overrides if not o.startswith("parallelism."))))
+        if key not in cache:
+            cache[key] = train_metrics(tmp_path_factory.mktemp("ref"), 1, list(key[1]), recipe)
+        return cache[key]
+
+    return get
+
+
 # dp2 x tp2 x pp2 with checkpoints at steps 5 and 10 and the layout files: one run serves
 # test_parity[dp2_tp2_pp2] (parity, layout, communication) and test_checkpoint (resume,
 # reshard, export). "{root}" is the run's own directory (see shared_run).

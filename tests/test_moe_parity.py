@@ -1,9 +1,9 @@
-"""Expert-parallel loss parity: each mesh against the 1-process run of the MoE recipe (10
-AdamW steps, fp32, CPU, load-balancing loss on), relative <= 1e-5 at every step for loss,
-grad_norm and the aux loss; tokens per expert equal."""
+"""Expert-parallel loss parity: each mesh against the 1-process run of the MoE recipe (the
+parity runs' short form, conftest.SHORT: 6 AdamW steps, fp32, CPU, load-balancing loss on),
+relative <= 1e-5 at every step for loss, grad_norm and the aux loss; tokens per expert equal."""
 
 import pytest
-from conftest import ROOT, train_metrics
+from conftest import ROOT, short, train_metrics
 from sharding import check_comm, check_layout
 
 from dtensor3d.recipe import load_recipe
@@ -20,7 +20,10 @@ CONFIGS = {
     "ep2_dp2_replicate": ["parallelism.ep=2", "parallelism.dp=2", "parallelism.dp_mode=replicate"],
     "ep2_pp2": ["parallelism.ep=2", "parallelism.pp=2"],
     "ep2_cp2": ["parallelism.ep=2", "parallelism.cp=2"],
-    "ep2_pp2_dp2_tp2": ["parallelism.ep=2", "parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2"],
+    "ep2_pp2_dp2_tp2": [
+        *("parallelism.ep=2", "parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2"),
+        "training.micro_batch_size=1",  # two microbatches per dp x ep rank for pp 2
+    ],
     # README model keys: experts in layers 1 and 3 only (0 and 2 dense MLPs), and a shared
     # expert beside the routed ones (replicated over tp like the experts); its own 1-process run.
     "ep2_tp2_moe_layers_shared_expert": [
@@ -41,28 +44,15 @@ def world(overrides):
     return n
 
 
-@pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
-    """The 1-process run of the MoE recipe with a config's non-parallelism overrides."""
-    cache = {}
-
-    def get(overrides: list[str]) -> list[dict]:
-        same_model = tuple(o for o in overrides if not o.startswith("parallelism."))
-        if same_model not in cache:
-            cache[same_model] = train_metrics(tmp_path_factory.mktemp("moe_ref"), 1, list(same_model), MOE)
-        return cache[same_model]
-
-    return get
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_moe_parity(name, moe_reference, tmp_path, record_property):
-    recipe = load_recipe(MOE, CONFIGS[name])
-    moe_reference = moe_reference(CONFIGS[name])
-    got = train_metrics(tmp_path, world(CONFIGS[name]), CONFIGS[name] + ["logging.layout=true"], MOE)
+def test_moe_parity(name, reference, tmp_path, record_property):
+    overrides = short(CONFIGS[name])
+    recipe = load_recipe(MOE, overrides)
+    moe_reference = reference(overrides, MOE)  # the 1-process run (conftest.reference)
+    got = train_metrics(tmp_path, world(CONFIGS[name]), overrides + ["logging.layout=true"], MOE)
     check_layout(tmp_path, recipe)  # experts split over ep, and the rest
     check_comm(tmp_path, recipe)  # bytes per collective per mesh dim
-    assert len(got) == len(moe_reference) == 10
+    assert [r["step"] for r in got] == [r["step"] for r in moe_reference] == list(range(1, 7))
     worst = dict.fromkeys(("loss", "grad_norm", "aux_loss"), 0.0)
     for g, r in zip(got, moe_reference):
         for key in worst:
@@ -70,11 +60,12 @@ def test_moe_parity(name, moe_reference, tmp_path, record_property):
             assert rel <= TOL, f"step {r['step']} {key}: {g[key]!r} vs 1-process {r[key]!r} (rel {rel:.2e})"
             worst[key] = max(worst[key], rel)
         assert g["tokens_per_expert"] == r["tokens_per_expert"], r["step"]
-        if r["step"] % 5 == 0:  # the validation loss, forward only, at steps 5 and 10
+        if r["step"] in (5, 6):  # the validation loss, forward only, at steps 5 and 6 (the last)
             rel = abs(g["val_loss"] - r["val_loss"]) / r["val_loss"]
             assert rel <= TOL, f"step {r['step']} val_loss: {g['val_loss']!r} vs {r['val_loss']!r} (rel {rel:.2e})"
     for key, rel in worst.items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
+    assert "val_loss" in got[4] and "val_loss" in got[5]
     # 8 sequences x 32 tokens x top-2 x 4 MoE layers (or those of model.moe_layers) routed slots per step.
     moe_layers = recipe.model.moe_layers or range(recipe.model.num_hidden_layers)
     assert sum(moe_reference[0]["tokens_per_expert"]) == 8 * 32 * 2 * len(moe_layers)

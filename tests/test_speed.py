@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import PARITY, ROOT, train_metrics
+from conftest import PARITY, ROOT, short, train_metrics
 from test_parity import assert_parity, scheduled_lrs
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
@@ -70,12 +70,12 @@ def test_recompute_modes_match_and_keep_less(record_property):
         record_property(f"{mode}_ms", r["ms"])
 
 
-def test_selective_parity_dp2_tp2(parity_reference, shared_run):
+def test_selective_parity_dp2_tp2(reference, shared_run):
     """selective recompute under dp2 x tp2 (DTensor matmuls kept, the rest recomputed) against
-    the 1-process run, step by step within 1e-5."""
-    overrides = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute=selective"]
+    the 1-process run, step by step within 1e-5 (the parity runs' short form)."""
+    overrides = short(["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute=selective"])
     got, _ = shared_run(4, overrides)
-    assert_parity(got, parity_reference, scheduled_lrs(PARITY, overrides))
+    assert_parity(got, reference(overrides), scheduled_lrs(PARITY, overrides))
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_bf16_the_fsdp2_way(one_rank, record_property):
 # per value); the loss, summed in fp32 from bf16 logits, stays within 1e-3 of fp32's at every
 # step (measured: 1.1e-4 at world 1 under autocast and at dp 2 under FSDP2's policy).
 BF16_TOL = 1e-3
-FIFTY = ["training.steps=50", "training.eval_every=0"]
+FIFTY = ["training.steps=50", "training.eval_every=0", "training.micro_batch_size=2"]
 
 
 @pytest.mark.parametrize("mesh", ["world1_autocast", "dp2_fsdp"])
@@ -179,17 +179,18 @@ def assert_close(got: list[dict], ref: list[dict], tol: float) -> float:
 
 
 @pytest.mark.parametrize("mesh", list(COMPILE_MESHES))
-def test_compile_parity(mesh, parity_reference, shared_run, record_property):
+def test_compile_parity(mesh, reference, shared_run, record_property):
     world, overrides = COMPILE_MESHES[mesh]
-    got, _ = shared_run(world, [*overrides, "training.compile=true"])
-    record_property("max_rel", assert_close(got, parity_reference, COMPILE_TOL))
+    overrides = short([*overrides, "training.compile=true"])  # the parity runs' short form
+    got, _ = shared_run(world, overrides)
+    record_property("max_rel", assert_close(got, reference(short([])), COMPILE_TOL))
 
 
-def test_compile_parity_moe_ep2(tmp_path, record_property):
+def test_compile_parity_moe_ep2(reference, tmp_path, record_property):
     moe = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
-    eager = train_metrics(tmp_path / "eager", 1, [], moe)
-    got = train_metrics(tmp_path / "compiled", 2, ["parallelism.ep=2", "training.compile=true"], moe)
-    record_property("max_rel", assert_close(got, eager, COMPILE_TOL))
+    compiled = short(["parallelism.ep=2", "training.compile=true"])
+    got = train_metrics(tmp_path / "compiled", 2, compiled, moe)
+    record_property("max_rel", assert_close(got, reference(short([]), moe), COMPILE_TOL))
 
 
 class _Pending(torch.autograd.Function):
