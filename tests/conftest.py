@@ -11,9 +11,11 @@ PARITY = str(ROOT / "tests" / "recipes" / "parity.yaml")
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `torchrun --standalone --nproc_per_node=nproc ARGS` from the repo root."""
+    """`torchrun --standalone --nproc_per_node=nproc ARGS` from the repo root, its ranks forked
+    from one interpreter that has imported torch (tests/fork_torchrun.py: torch's elastic agent
+    with start_method fork; a rank's imports are most of a multi-rank test's time here)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    cmd = [sys.executable, str(ROOT / "tests" / "fork_torchrun.py"), str(nproc), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
