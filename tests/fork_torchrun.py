@@ -2,8 +2,8 @@
 per rank: `python tests/fork_torchrun.py N (-m MODULE | SCRIPT) ARGS...`.
 
 It runs torch's own elastic agent (torch.distributed.launcher.api.elastic_launch, what
-torchrun runs) with start_method "fork" and a function entrypoint, after importing torch and
-dtensor3d once here: each rank is a fork of this process and starts training at once. On
+torchrun runs) with start_method "forkserver" and a function entrypoint: the fork server
+imports torch and dtensor3d once, and each rank is a fork of it that starts at once. On
 this 2-core machine importing torch, DTensor and dynamo costs a rank ~4.5 CPU-seconds, a
 16-rank job ~70 (the most of its start-up); the suite starts some 400 ranks. What a rank
 runs is unchanged: the module or script under "__main__" with its arguments, as torchrun
@@ -13,19 +13,17 @@ fresh process (the launcher, signals, the door) still start their own.
 
 from __future__ import annotations
 
+import multiprocessing
 import runpy
 import sys
 import uuid
 from pathlib import Path
 
-# What every rank imports, imported once before the ranks are forked (nothing here starts a
-# thread or a process group).
-import torch._dynamo  # noqa: F401  (imported by torch's own optimizer and meta init at run time)
-import torch.distributed.pipelining  # noqa: F401
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-import dtensor3d.__main__  # noqa: F401
-import dtensor3d.train  # noqa: F401
+# What every rank imports (torch._dynamo: torch's own optimizer and meta init import it at run
+# time), imported once by the fork server before it forks the ranks.
+PRELOAD = ["torch._dynamo", "torch.distributed.pipelining", "dtensor3d.__main__", "dtensor3d.train"]
 
 
 def run_rank(target: list[str]) -> None:
@@ -53,6 +51,10 @@ def _exit_code(run) -> int:
 
 def main(argv: list[str]) -> int:
     nproc, target = int(argv[0]), argv[1:]
+    # forkserver, not fork: the ranks are forked by a single-threaded server process that
+    # imported these modules once, never by this one, whose agent runs threads (the
+    # rendezvous store) whose locks a plain fork could copy held (a 16-rank run hung so).
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -61,7 +63,7 @@ def main(argv: list[str]) -> int:
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        start_method="fork",
+        start_method="forkserver",
     )
     sys.stdout.flush()
     elastic_launch(config, run_rank)(target)
