@@ -10,12 +10,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PARITY = str(ROOT / "tests" / "recipes" / "parity.yaml")
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], timeout: int = 600, fresh: bool = False) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc ARGS` from the repo root, its ranks forked
     from one interpreter that has imported torch (tests/fork_torchrun.py: torch's elastic agent
-    with start_method fork; a rank's imports are most of a multi-rank test's time here)."""
+    with a fork server; a rank's imports are most of a multi-rank test's time here); `fresh`:
+    torchrun itself, a new interpreter per rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(ROOT / "tests" / "fork_torchrun.py"), str(nproc), *args]
+    if fresh:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
@@ -25,8 +28,10 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Comp
 
 
 def train_metrics(run_dir: Path, nproc: int, overrides: list[str], recipe: str = PARITY) -> list[dict]:
-    """Train `recipe` on nproc CPU ranks and return metrics.jsonl's records."""
-    torchrun(nproc, ["-m", "dtensor3d", "train", recipe, f"logging.run_dir={run_dir}", *overrides])
+    """Train `recipe` on nproc CPU ranks and return metrics.jsonl's records. Compiled runs
+    start fresh ranks: a forked pp2 x tp2 compiled run once hung in a gloo collective."""
+    fresh = "training.compile=true" in overrides
+    torchrun(nproc, ["-m", "dtensor3d", "train", recipe, f"logging.run_dir={run_dir}", *overrides], fresh=fresh)
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
 
