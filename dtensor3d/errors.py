@@ -40,11 +40,13 @@ def say(err: UserError) -> None:
     import time
 
     line, rank = f"error: {err}", os.environ.get("RANK", "0")
-    if not rank.strip().isdigit() or int(rank) == 0:
-        print(line, file=sys.stderr)
-        return
+    printed = not rank.strip().isdigit() or int(rank) == 0
+    if printed:
+        print(line, file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if os.environ.get("DTENSOR3D_SUPERVISED") == "1" and path:
-        record = {"message": line, "timestamp": int(time.time()), "dtensor3d": {"line": line, "time": time.time()}}
+        # rank 0 records that it printed: the agent may stop it (SIGTERM) before it exits 2,
+        # when another rank's exit 2 came first, and the line must not be printed twice
+        note = {"line": line, "time": time.time(), "printed": printed}
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(record, f)
+            json.dump({"message": line, "timestamp": int(time.time()), "dtensor3d": note}, f)

@@ -76,6 +76,7 @@ class Failure:
     time: float  # when, as near as known: the worker's own record, else the agent's (whole seconds)
     line: str | None  # the worker's one line (faults.report), if it wrote one
     short: str | None  # the same without torch's text
+    printed: bool = False  # the worker printed its `error:` line itself (rank 0, errors.say)
 
     @property
     def killed(self) -> bool:
@@ -97,7 +98,8 @@ def failures_of(result) -> list[Failure]:
         record = f.error_file_data.get("dtensor3d") if isinstance(f.error_file_data, dict) else None
         record = record if isinstance(record, dict) else {}
         time = float(record.get("time", f.timestamp))
-        out.append(Failure(rank, f.exitcode, time, record.get("line"), record.get("short")))
+        said = bool(record.get("printed"))
+        out.append(Failure(rank, f.exitcode, time, record.get("line"), record.get("short"), said))
     return out
 
 
@@ -235,7 +237,8 @@ def main(argv: list[str]) -> int:
         return 1
     first = first_failure(agent.attempts[-1])
     if first.exitcode == DETERMINISTIC:  # rank 0 printed its one `error:` line (errors.say)...
-        if first.line and not any(f.rank == 0 and f.exitcode == DETERMINISTIC for f in agent.attempts[-1]):
+        said = any(f.printed or (f.rank == 0 and f.exitcode == DETERMINISTIC) for f in agent.attempts[-1])
+        if first.line and not said:
             print(first.line, file=sys.stderr, flush=True)  # ...unless only another rank saw the error
         return DETERMINISTIC
     print(final_line(agent.attempts, args.max_restarts), file=sys.stderr, flush=True)
