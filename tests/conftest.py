@@ -16,9 +16,9 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, fresh: bool = Fals
     with a fork server; a rank's imports are most of a multi-rank test's time here); `fresh`:
     torchrun itself, a new interpreter per rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(ROOT / "tests" / "fork_torchrun.py"), str(nproc), *args]
-    if fresh:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    forked = [str(ROOT / "tests" / "fork_torchrun.py"), str(nproc)]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if fresh else forked
+    cmd = [sys.executable, *launcher, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
