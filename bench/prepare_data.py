@@ -46,7 +46,7 @@ def raw_encode(tokenizer_json: str, trained_dir: str) -> None:
 
     with open(os.path.join(trained_dir, "meta.json")) as f:
         files = expand_inputs(json.load(f)["inputs"][:1], ["*/site-packages/*"])
-    texts = [t for t in map(read_text_file, files) if t]
+    texts = [t for t, _ in map(read_text_file, files) if t]
     tok = Tokenizer.from_file(tokenizer_json)
     tok.encode_special_tokens = True  # as prepare-data's encoder
     batches, size = [[]], 0

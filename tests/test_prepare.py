@@ -130,23 +130,89 @@ def test_parquet_rows(tmp_path):
     assert sorted(decoded_texts(out)) == ["first row", "second row"]
 
 
-def test_overwrite_replaces_and_refusal_keeps(corpus, tmp_path, capsys):
+def test_overwrite_replaces_only_what_prepare_data_wrote(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert prepare(corpus, "--out", out, "--tokenizer", "byte") == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not empty" in err and "--overwrite" in err
-    assert os.listdir(out) == ["keep.txt"]
-    assert prepare(corpus, "--out", out, "--tokenizer", "byte", "--overwrite") == 0
-    assert "keep.txt" not in os.listdir(out) and (out / "meta.json").exists()
+    for extra, needle in (([], "--overwrite"), (["--overwrite"], "not a directory prepare-data wrote")):
+        assert prepare(corpus, "--out", out, "--tokenizer", "byte", *extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error:") and needle in err
+        assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    assert prepare(corpus, "--out", out, "--tokenizer", "byte") == 0  # an empty directory is fine
+    assert prepare(corpus, "--out", out, "--train-tokenizer", "300", "--overwrite") == 0  # ours: replaced
+    assert json.loads((out / "meta.json").read_text())["tokenizer"]["kind"] == "bpe"
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".out")]  # no temporary left
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_out_overlapping_an_input_is_refused_and_nothing_is_touched(tmp_path, capsys):
+    """--out equal to, above, or (through a symlink) inside an input: refused with or without
+    --overwrite, before anything is written; the input tree is byte for byte what it was."""
+    src = tmp_path / "par" / "raw"
+    src.mkdir(parents=True)
+    for i in (1, 2, 3):
+        (src / f"d{i}.txt").write_text(f"doc {i}\n")
+    (tmp_path / "link").symlink_to(src)
+    before = _tree(tmp_path)
+    cases = [
+        ([src, "--out", src], "overlaps the input"),
+        ([src, "--out", tmp_path / "par"], "overlaps the input"),
+        ([tmp_path / "link", "--out", src / "sub"], "overlaps the input"),
+        ([str(src / "*.txt"), "--out", src], "holds the input file"),
+        ([src / "d1.txt", "--out", src], "overlaps the input"),
+    ]
+    for args, needle in cases:
+        for extra in ([], ["--overwrite"]):
+            capsys.readouterr()
+            assert prepare(*args, "--tokenizer", "byte", *extra) == 2, args
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (args, lines)
+            assert _tree(tmp_path) == before, args
+
+
+def test_latin1_text_is_kept_and_every_skipped_file_is_named(tmp_path, capsys):
+    """A Latin-1 file is never silently dropped: the byte tokenizer keeps its raw bytes; a text
+    tokenizer decodes it with U+FFFD (default), with --encoding latin-1 exactly, drops it by name
+    under --encoding-errors skip, and refuses it under strict."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "latin.txt").write_bytes(b"caf\xe9 au lait\n")
+    (src / "ok.txt").write_text("plain text\n")
+    (src / "blob.bin").write_bytes(b"\x00\x01")
+    (src / "empty.txt").write_text("")
+    assert prepare(src, "--out", tmp_path / "b", "--tokenizer", "byte", "--val-fraction", "0") == 0
+    docs = sorted(bytes(d[:-1].astype(np.uint8)) for d in documents(tmp_path / "b", "train"))
+    assert docs == [b"caf\xe9 au lait\n", b"plain text\n"]
+    line = capsys.readouterr().out
+    assert f"1 binary ({src / 'blob.bin'})" in line and f"1 empty ({src / 'empty.txt'})" in line
+    train = ["--train-tokenizer", "300", "--val-fraction", "0"]
+    assert prepare(src, "--out", tmp_path / "r", *train) == 0
+    assert "café au lait\n" not in decoded_texts(tmp_path / "r") and "caf\ufffd au lait\n" in decoded_texts(
+        tmp_path / "r"
+    )
+    assert f"1 decoded with U+FFFD replacements (see --encoding) ({src / 'latin.txt'})" in capsys.readouterr().out
+    assert prepare(src, "--out", tmp_path / "l", *train, "--encoding", "latin-1") == 0
+    assert "café au lait\n" in decoded_texts(tmp_path / "l")
+    assert prepare(src, "--out", tmp_path / "s", *train, "--encoding-errors", "skip") == 0
+    assert f"1 undecodable ({src / 'latin.txt'})" in capsys.readouterr().out
+    assert json.loads((tmp_path / "s" / "meta.json").read_text())["undecodable_skipped"] == 1
+    assert prepare(src, "--out", tmp_path / "x", *train, "--encoding-errors", "strict") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "latin.txt" in err[0] and "not valid utf-8" in err[0]
+    assert not (tmp_path / "x").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".x.tmp")]
 
 
 def _bad_cases(corpus: Path, tmp_path: Path) -> list[tuple[list, str]]:
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     (tmp_path / "afile").write_text("x")
+    list_jsonl = tmp_path / "list.jsonl"
+    list_jsonl.write_text("[1, 2]\n")
     return [
         ([corpus, "--out", tmp_path / "o"], "--tokenizer"),
         ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--train-tokenizer", "300"], "one of"),
@@ -163,6 +229,11 @@ def _bad_cases(corpus: Path, tmp_path: Path) -> list[tuple[list, str]]:
         ([corpus, "--out", tmp_path / "o", "--train-tokenizer", "100"], "at least 257"),
         ([corpus, "--out", tmp_path / "afile", "--tokenizer", "byte"], "existing file"),
         ([bad_jsonl, "--out", tmp_path / "o", "--tokenizer", "byte"], "bad.jsonl:2"),
+        ([list_jsonl, "--out", tmp_path / "o", "--tokenizer", "byte"], "a JSON list, not an object"),
+        ([corpus, "--out", "/proc/dtensor3d-o", "--tokenizer", "byte"], "lies under /proc"),
+        ([corpus, "--out", "/sys/dtensor3d-o", "--tokenizer", "byte"], "lies under /proc, /sys"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--encoding", "utf-9"], "--encoding 'utf-9'"),
+        ([corpus, "--out", tmp_path / "o", "--tokenizer", "byte", "--encoding-errors", "ignore"], "valid: replace"),
         ([corpus / "blob.bin", "--out", tmp_path / "o", "--tokenizer", "byte"], "no training text"),
     ]
 

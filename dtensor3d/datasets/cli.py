@@ -23,6 +23,12 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file at most")
     p.add_argument("--hf-dataset", help="a Hugging Face dataset: a save_to_disk directory, a local dataset or a name")
     p.add_argument("--split", default="train", help="the split of --hf-dataset")
+    p.add_argument("--encoding", default="utf-8", help="the encoding of plain text files (a Python codec name)")
+    p.add_argument(
+        "--encoding-errors",
+        default="replace",
+        help="a file that does not decode: replace (U+FFFD, named in the summary), skip (named), strict (error)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (shown only when stderr is a terminal)")
 
 
@@ -44,6 +50,8 @@ def run_prepare(args) -> None:
         progress=not args.no_progress and sys.stderr.isatty(),
         hf_dataset=args.hf_dataset,
         split=args.split,
+        encoding=args.encoding,
+        encoding_errors=args.encoding_errors,
     )
     if options.hf_dataset is not None and options.inputs:
         raise DataError("prepare-data: give INPUT files or --hf-dataset, not both")

@@ -24,16 +24,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import DataError
-from .inputs import read_text_file
+from .inputs import UTF8, Decoding, read_text_file
 
 GROUP = 8  # tasks (about inputs.TASK_BYTES each) per encode_batch_fast call of Encoder.stream
 
 
-def in_validation(text: str, fraction: float, seed: int) -> bool:
-    """True for the documents of the validation split: blake2b(text, key=seed) / 2^64 < fraction."""
+def in_validation(text: str | bytes, fraction: float, seed: int) -> bool:
+    """True for the documents of the validation split: blake2b(text, key=seed) / 2^64 < fraction
+    (a document kept as raw bytes is hashed as those bytes)."""
     if fraction <= 0.0:
         return False
-    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, key=str(seed).encode()).digest()
+    data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(data, digest_size=8, key=str(seed).encode()).digest()
     return int.from_bytes(digest, "little") < fraction * 2.0**64
 
 
@@ -46,6 +48,20 @@ class Chunk:
     bytes_read: int = 0
     binary: int = 0
     empty: int = 0
+    undecodable: int = 0
+    replaced: int = 0
+    named: dict[str, list[str]] = field(default_factory=dict)  # kind -> the first NAMED files of it
+
+    def note(self, kind: str, path: str) -> None:
+        """Count a file skipped (binary, undecodable, empty) or decoded with replacement, by name."""
+        if kind != "empty":  # empty documents are counted where they are dropped (Encoder.read)
+            setattr(self, kind, getattr(self, kind) + 1)
+        names = self.named.setdefault(kind, [])
+        if len(names) < NAMED:
+            names.append(path)
+
+
+NAMED = 3  # files named per kind in prepare-data's summary (then a count)
 
 
 def _row_text(line: bytes, text_field: str, where: str) -> str:
@@ -54,21 +70,22 @@ def _row_text(line: bytes, text_field: str, where: str) -> str:
     except ValueError as e:
         raise DataError(f"{where}: not a JSON object ({e})") from None
     if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-        raise DataError(f"{where}: no string field {text_field!r} (--text-field); keys: {sorted(row)[:8]}")
+        what = f"keys: {sorted(row)[:8]}" if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+        raise DataError(f"{where}: no string field {text_field!r} (--text-field); {what}")
     return row[text_field]
 
 
-def task_texts(task: tuple, text_field: str, chunk: Chunk) -> list[str]:
-    """The documents of one task, in order; counts bytes and skipped binary files in `chunk`."""
+def task_texts(task: tuple, text_field: str, chunk: Chunk, decoding: Decoding = UTF8) -> list[str | bytes]:
+    """The documents of one task, in order; counts bytes and names skipped files in `chunk`."""
     kind = task[0]
     if kind == "files":
         texts = []
         for path in task[1]:
             chunk.bytes_read += os.path.getsize(path)
-            text = read_text_file(path)
-            if text is None:
-                chunk.binary += 1
-            else:
+            text, how = read_text_file(path, decoding)
+            if how in ("binary", "undecodable", "replaced") or not text:
+                chunk.note(how if how != "text" else "empty", path)
+            if text is not None:
                 texts.append(text)
         return texts
     if kind == "jsonl":
@@ -83,17 +100,21 @@ def task_texts(task: tuple, text_field: str, chunk: Chunk) -> list[str]:
 class Encoder:
     """Turns tasks into Chunks with one tokenizer (a tokenizer.json string, so it pickles)."""
 
-    def __init__(self, tokenizer_json: str, eos_id: int, dtype: str, val_fraction: float, seed: int, text_field: str):
+    def __init__(self, tokenizer_json: str, eos_id: int, dtype: str, val_fraction: float, seed: int, text_field: str,
+                 decoding: Decoding = UTF8):  # fmt: skip
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_str(tokenizer_json)
         self.tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a document is text, not EOS
         self.eos, self.dtype = eos_id, np.dtype(dtype)
-        self.val_fraction, self.seed, self.text_field = val_fraction, seed, text_field
+        self.val_fraction, self.seed, self.text_field, self.decoding = val_fraction, seed, text_field, decoding
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        """The ids of each text (one encode_batch_fast call: the Rust tokenizer's threads)."""
-        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)] if texts else []
+    def encode(self, texts: list[str | bytes]) -> list[list[int]]:
+        """The ids of each text (one encode_batch_fast call: the Rust tokenizer's threads); a
+        document kept as raw bytes (the byte tokenizer only) is its byte values."""
+        strings = [t for t in texts if isinstance(t, str)]
+        encoded = iter(self.tok.encode_batch_fast(strings, add_special_tokens=False) if strings else [])
+        return [next(encoded).ids if isinstance(t, str) else list(t) for t in texts]
 
     def flat(self, ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """(the ids with EOS after each document, per-document lengths including the EOS)."""
@@ -109,7 +130,7 @@ class Encoder:
         """The documents of `tasks`, in order, per split; the counts in a fresh Chunk."""
         chunk, split = Chunk(), {"train": [], "val": []}
         for task in tasks:
-            texts = task_texts(task, self.text_field, chunk)
+            texts = task_texts(task, self.text_field, chunk, self.decoding)
             kept = [t for t in texts if t]
             chunk.empty += len(texts) - len(kept)
             for text in kept:

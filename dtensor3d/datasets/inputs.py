@@ -16,6 +16,7 @@ import fnmatch
 import glob
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from ..errors import DataError
 
@@ -52,19 +53,43 @@ def expand_inputs(inputs: list[str], exclude: list[str] = ()) -> list[str]:
     return kept
 
 
-def read_text_file(path: str) -> str | None:
-    """The text of a file, or None for a binary one (a NUL byte, or not UTF-8)."""
+@dataclass(frozen=True)
+class Decoding:
+    """How a plain text file's bytes become a document (prepare-data's --encoding options)."""
+
+    encoding: str = "utf-8"
+    errors: str = "replace"  # replace | skip | strict: what an undecodable file gets
+    raw_bytes: bool = False  # the byte tokenizer: a file that does not decode is kept as its bytes
+
+
+ENCODING_ERRORS = ("replace", "skip", "strict")
+UTF8 = Decoding()  # the default: UTF-8, undecodable bytes replaced
+
+
+def read_text_file(path: str, decoding: Decoding = UTF8) -> tuple[str | bytes | None, str]:
+    """(the document, how it was read): "text"; "raw" (bytes, for the byte tokenizer);
+    "replaced" (undecodable bytes replaced by U+FFFD); None with "binary" (a NUL byte) or
+    "undecodable" (--encoding-errors skip). --encoding-errors strict raises a DataError."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise DataError(f"input {path!r} cannot be read: {e.strerror}") from None
     if b"\0" in data:
-        return None
+        return None, "binary"
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+        return data.decode(decoding.encoding), "text"
+    except UnicodeDecodeError as e:
+        if decoding.raw_bytes:
+            return data, "raw"
+        if decoding.errors == "strict":
+            raise DataError(
+                f"input {path!r} is not valid {decoding.encoding} (byte {e.start}); pass --encoding "
+                "(e.g. latin-1) or --encoding-errors replace|skip"
+            ) from None
+        if decoding.errors == "skip":
+            return None, "undecodable"
+        return data.decode(decoding.encoding, "replace"), "replaced"
 
 
 def _jsonl_tasks(path: str) -> Iterator[tuple]:

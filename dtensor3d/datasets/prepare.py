@@ -12,6 +12,7 @@ inputs and options, never on `workers` (tasks are cut by size and collected in o
 
 from __future__ import annotations
 
+import codecs
 import json
 import multiprocessing
 import os
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import DataError
 from . import inputs, tokenizer
-from .encode import Chunk, Encoder, in_validation, init_worker, run_task, task_texts
+from .encode import NAMED, Chunk, Encoder, in_validation, init_worker, run_task, task_texts
 from .tokendir import META, SPLITS, TOKENIZER, ShardWriter, token_dtype
 
 
@@ -44,6 +45,11 @@ class PrepareOptions:
     progress: bool = True
     hf_dataset: str | None = None  # see hf_datasets.py
     split: str = "train"
+    encoding: str = "utf-8"  # of plain text files
+    encoding_errors: str = "replace"  # replace | skip | strict: a file that does not decode
+
+    def decoding(self) -> inputs.Decoding:
+        return inputs.Decoding(self.encoding, self.encoding_errors, raw_bytes=self.tokenizer == "byte")
 
 
 def check_options(o: PrepareOptions) -> None:
@@ -58,14 +64,57 @@ def check_options(o: PrepareOptions) -> None:
         raise DataError(f"--workers {o.workers}, --shard-tokens {o.shard_tokens}: both must be >= 1")
     if not o.inputs and o.hf_dataset is None:
         raise DataError("prepare-data: no INPUT given; pass files, directories or globs (or --hf-dataset)")
+    if o.encoding_errors not in inputs.ENCODING_ERRORS:
+        raise DataError(f"--encoding-errors {o.encoding_errors!r}: valid: {', '.join(inputs.ENCODING_ERRORS)}")
+    try:
+        codecs.lookup(o.encoding)
+    except LookupError:
+        raise DataError(f"--encoding {o.encoding!r}: not a Python codec name (e.g. utf-8, latin-1, cp1252)") from None
+
+
+SYSTEM_TREES = ("/proc", "/sys", "/dev")  # never a place for a prepared directory
+
+
+def _inside(path: str, folder: str) -> bool:
+    """True when `path` is `folder` or lies under it (both already resolved)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_out_apart(out: str, named: list[str], files: list[str]) -> None:
+    """--out must not be an input, hold an input, or lie inside an input directory (resolved
+    paths, symlinks followed): replacing it would delete the user's text."""
+    target = os.path.realpath(out)
+    for arg in named:
+        src = os.path.realpath(arg)
+        if _inside(target, src) or _inside(src, target):
+            raise DataError(f"--out {out!r} overlaps the input {arg!r}; write the prepared directory elsewhere")
+    for path in files:
+        if _inside(os.path.realpath(path), target):
+            raise DataError(f"--out {out!r} holds the input file {path!r}; write the prepared directory elsewhere")
+
+
+def _written_by_us(out: str) -> bool:
+    try:
+        with open(os.path.join(out, META), encoding="utf-8") as f:
+            return json.load(f).get("format") == "dtensor3d-tokens"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_out(out: str, overwrite: bool) -> None:
-    """An existing non-empty --out is refused unless --overwrite; its parent must be writable."""
+    """An existing non-empty --out is refused unless --overwrite, and --overwrite replaces only
+    a directory prepare-data wrote (its meta.json says so); the parent must be writable."""
+    if any(_inside(os.path.realpath(out), t) for t in SYSTEM_TREES):
+        raise DataError(f"--out {out!r} lies under {', '.join(SYSTEM_TREES)} (not a place for files); give a directory on a disk")
     if os.path.exists(out) and not os.path.isdir(out):
         raise DataError(f"--out {out!r} is an existing file; give a directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise DataError(f"--out {out!r} exists and is not empty; pass --overwrite to replace it")
+    if os.path.isdir(out) and os.listdir(out) and not _written_by_us(out):
+        raise DataError(
+            f"--out {out!r} is not a directory prepare-data wrote (no dtensor3d meta.json); "
+            "--overwrite replaces only those: give a new or empty directory"
+        )
     parent = os.path.dirname(os.path.abspath(out))
     try:
         os.makedirs(parent, exist_ok=True)
@@ -77,8 +126,8 @@ def check_out(out: str, overwrite: bool) -> None:
 
 def _training_texts(tasks: Iterator[tuple], o: PrepareOptions) -> Iterator[str]:
     for task in tasks:
-        for text in task_texts(task, o.text_field, Chunk()):
-            if text and not in_validation(text, o.val_fraction, o.seed):
+        for text in task_texts(task, o.text_field, Chunk(), o.decoding()):
+            if isinstance(text, str) and text and not in_validation(text, o.val_fraction, o.seed):
                 yield text
 
 
@@ -129,7 +178,8 @@ def _progress(o: PrepareOptions, total: int | None):
 def write_splits(o: PrepareOptions, tmp: str, tasks, encoder_args: tuple, total: int | None) -> dict:
     """Encode every task into the shards under `tmp`; the counts meta.json records."""
     writers = {s: ShardWriter(tmp, s, encoder_args[2], o.shard_tokens) for s in SPLITS}
-    counts = {"bytes": 0, "binary_skipped": 0, "empty_skipped": 0, "max_token_id": -1}
+    counts = {"bytes": 0, "binary_skipped": 0, "undecodable_skipped": 0, "empty_skipped": 0, "replaced": 0}
+    counts.update(max_token_id=-1, named={})
     with _progress(o, total) as bar:
         for chunk in chunks(tasks(), encoder_args, o.workers):
             for s in SPLITS:
@@ -137,13 +187,23 @@ def write_splits(o: PrepareOptions, tmp: str, tasks, encoder_args: tuple, total:
                 if len(chunk.tokens[s]):
                     counts["max_token_id"] = max(counts["max_token_id"], int(chunk.tokens[s].max()))
             counts["bytes"] += chunk.bytes_read
-            counts["binary_skipped"] += chunk.binary
-            counts["empty_skipped"] += chunk.empty
+            _add_counts(counts, chunk)
             bar.update(chunk.bytes_read)
             tokens = writers["train"].tokens + writers["val"].tokens
             rate = tokens / max(bar.format_dict["elapsed"], 1e-9)
             bar.set_postfix_str(f"{writers['train'].documents + writers['val'].documents:,} docs, {rate:,.0f} tokens/s")
     return {"splits": {s: w.close() for s, w in writers.items()}, **counts}
+
+
+def _add_counts(counts: dict, chunk: Chunk) -> None:
+    """A chunk's skipped and replaced files into meta's counts (NAMED files of each kind by name)."""
+    counts["binary_skipped"] += chunk.binary
+    counts["undecodable_skipped"] += chunk.undecodable
+    counts["empty_skipped"] += chunk.empty
+    counts["replaced"] += chunk.replaced
+    for kind, names in chunk.named.items():
+        kept = counts["named"].setdefault(kind, [])
+        kept.extend(names[: NAMED - len(kept)])
 
 
 def _publish(tmp: str, out: str) -> None:
@@ -158,39 +218,54 @@ def _publish(tmp: str, out: str) -> None:
 
 
 def _task_source(o: PrepareOptions):
-    """(a function returning a fresh task iterator, the input list for meta, total bytes or None)."""
+    """(a function returning a fresh task iterator, the input list for meta, total bytes or None),
+    after checking that --out stays apart from every input."""
     if o.hf_dataset is not None:
         from .hf_datasets import hf_tasks
 
+        local = [o.hf_dataset] if os.path.exists(o.hf_dataset) else []
+        check_out_apart(o.out, local, [])
         return (lambda: hf_tasks(o.hf_dataset, o.split, o.text_field)), [f"hf:{o.hf_dataset}:{o.split}"], None
     files = inputs.expand_inputs(list(o.inputs), list(o.exclude))
+    check_out_apart(o.out, [a for a in o.inputs if os.path.exists(a)], files)
     return (lambda: inputs.plan_tasks(files, o.text_field)), list(o.inputs), inputs.total_bytes(files)
+
+
+def _make_tmp(out: str) -> str:
+    """The temporary directory beside `out` that becomes it at the end."""
+    parent, base = os.path.split(os.path.abspath(out))
+    tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise DataError(f"--out {out!r}: cannot write in {parent!r}: {e.strerror}") from None
+    return tmp
 
 
 def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
     """Write the prepared directory `o.out`; return its meta.json content. `seconds`, if
     given, receives "tokenizer": the time spent building (training) the tokenizer."""
     check_options(o)
-    check_out(o.out, o.overwrite)
     tasks, named_inputs, total = _task_source(o)
+    check_out(o.out, o.overwrite)
     start = time.perf_counter()
     tok, eos, tok_entry = build_tokenizer(o, tasks)
     if seconds is not None:
         seconds["tokenizer"] = time.perf_counter() - start
     vocab = tokenizer.vocab_size(tok)
     dtype = token_dtype(vocab)
-    parent, base = os.path.split(os.path.abspath(o.out))
-    tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
-    os.makedirs(tmp)
+    tmp = _make_tmp(o.out)
     try:
         tok.save(os.path.join(tmp, TOKENIZER))
-        args = (tok.to_str(), eos.id, dtype, o.val_fraction, o.seed, o.text_field)
+        args = (tok.to_str(), eos.id, dtype, o.val_fraction, o.seed, o.text_field, o.decoding())
         written = write_splits(o, tmp, tasks, args, total)
         if written["splits"]["train"]["tokens"] == 0:
-            raise DataError(f"inputs {' '.join(named_inputs)}: no training text (every file binary, empty or held out)")
+            raise DataError(
+                f"inputs {' '.join(named_inputs)}: no training text (every file binary, undecodable, empty or held out)"
+            )
         meta = {"format": "dtensor3d-tokens", "version": 1, "tokenizer": tok_entry, "vocab_size": vocab}
         meta.update({"dtype": dtype, "val_fraction": o.val_fraction, "split_seed": o.seed, "inputs": named_inputs})
-        meta.update(written)
+        meta.update(written, encoding=o.encoding, encoding_errors=o.encoding_errors)
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
@@ -198,6 +273,23 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def _skipped(meta: dict) -> str:
+    """ "skipped 1 binary (a.bin), 0 undecodable, 2 empty (e.txt, f.txt); 1 decoded with U+FFFD (g.txt)"."""
+    named = meta.get("named", {})
+
+    def part(count: int, kind: str, label: str) -> str:
+        names = named.get(kind, [])
+        more = f", +{count - len(names)} more" if count > len(names) else ""
+        return f"{count} {label}" + (f" ({', '.join(names)}{more})" if names else "")
+
+    text = "skipped " + ", ".join(
+        part(meta[f"{k}_skipped"], k, k) for k in ("binary", "undecodable", "empty") if f"{k}_skipped" in meta
+    )
+    if meta.get("replaced"):
+        text += "; " + part(meta["replaced"], "replaced", "decoded with U+FFFD replacements (see --encoding)")
+    return text
 
 
 def summary(out: str, meta: dict, seconds: float, tokenizer_seconds: float = 0.0) -> str:
@@ -211,5 +303,5 @@ def summary(out: str, meta: dict, seconds: float, tokenizer_seconds: float = 0.0
         f"prepared {out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in {len(tr['shards'])} "
         f"shard(s), validation {va['documents']:,} / {va['tokens']:,}; vocab {meta['vocab_size']:,} "
         f"({meta['dtype']}), EOS {meta['tokenizer']['eos_id']}; {mb:.1f} MB in {seconds:.1f} s ({trained}"
-        f"encoding {rate}); skipped {meta['binary_skipped']} binary, {meta['empty_skipped']} empty"
+        f"encoding {rate}); {_skipped(meta)}"
     )
