@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from .errors import DataError, RecipeError
+from .errors import CheckpointError, DataError, RecipeError
 
 if TYPE_CHECKING:
     import torch
@@ -53,18 +53,34 @@ def find_tokenizer(ckpt: str, given: str | None) -> str:
     raise DataError(f"generate: no tokenizer.json in or beside {ckpt!r}; pass --tokenizer PATH")
 
 
-def check_args(args, max_positions: int, prompt_len: int) -> None:
+def check_args(args) -> None:
+    """The numeric arguments alone (before anything is read)."""
     if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise RecipeError(
             "generate: need --max-new-tokens >= 0, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1 (got "
             f"{args.max_new_tokens}, {args.temperature}, {args.top_k}, {args.top_p})"
         )
+    if not os.path.exists(args.ckpt):
+        raise CheckpointError(
+            f"generate: {args.ckpt!r}: no such checkpoint; give a step, checkpoint or Hugging Face directory"
+        )
+
+
+def check_fit(args, cfg, tok, prompt_len: int) -> None:
+    """The tokenizer and the prompt against the model's config (before the weights load)."""
+    from .datasets.tokenizer import vocab_size
+
+    if vocab_size(tok) > cfg.vocab_size:
+        raise DataError(
+            f"generate: the tokenizer has {vocab_size(tok)} tokens, more than the model's vocab_size={cfg.vocab_size}; "
+            "give the tokenizer the model was trained with (--tokenizer)"
+        )
     if prompt_len == 0:
         raise RecipeError("generate: --prompt is empty after tokenizing; give some text")
-    if prompt_len + args.max_new_tokens > max_positions:
+    if prompt_len + args.max_new_tokens > cfg.max_position_embeddings:
         raise RecipeError(
             f"generate: {prompt_len} prompt tokens + --max-new-tokens {args.max_new_tokens} exceed the model's "
-            f"max_position_embeddings={max_positions}"
+            f"max_position_embeddings={cfg.max_position_embeddings}"
         )
 
 
@@ -118,13 +134,15 @@ def _drop_moe_records(model) -> None:
 def run_generate(args) -> None:
     from tokenizers import Tokenizer
 
-    from .checkpoint import load_model
+    from .checkpoint.hf import model_from, model_source
     from .datasets.tokenizer import KNOWN_EOS
 
+    check_args(args)
     tok = Tokenizer.from_file(find_tokenizer(args.ckpt, args.tokenizer))
-    model = load_model(args.ckpt)
     prompt = tok.encode(args.prompt, add_special_tokens=False).ids
-    check_args(args, model.cfg.max_position_embeddings, len(prompt))
+    cfg, files = model_source(args.ckpt, "generate")
+    check_fit(args, cfg, tok, len(prompt))
+    model = model_from(cfg, files)
     eos = next((tok.token_to_id(t) for t in KNOWN_EOS if tok.token_to_id(t) is not None), None)
     out, shown, start = [], "", time.perf_counter()
     sys.stdout.write(args.prompt)

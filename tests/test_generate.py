@@ -102,3 +102,36 @@ def test_generate_command_streams_text(exported, tmp_path):
     assert proc.stdout == "def f" + expect + "\n"
     bad = subprocess.run([*cmd[:-2]], cwd=ROOT, capture_output=True, text=True, timeout=300)  # no tokenizer anywhere
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "--tokenizer" in bad.stderr
+
+
+def test_bad_arguments_one_line_before_the_model_loads(exported, tmp_path, capsys, monkeypatch):
+    """A missing checkpoint, bad numbers, and a tokenizer larger than the model's vocabulary are
+    each one `error:` line (exit 2), found before any weight is read."""
+    from tokenizers import Tokenizer, models
+
+    import dtensor3d.checkpoint.hf as hf
+
+    ckpt, _ = exported
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0"))  # 300 > vocab 264
+    big.save(str(tmp_path / "tokenizer.json"))
+    byte_tokenizer().save(str(tmp_path / "byte.json"))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(hf, "model_from", no_weights)
+    cases = [
+        (["generate", str(tmp_path / "nope"), "--prompt", "x"], "no such checkpoint"),
+        (["export-hf", str(tmp_path / "nope"), str(tmp_path / "out")], "no such checkpoint"),
+        (["generate", str(ckpt), "--prompt", "x", "--top-p", "0", "--tokenizer", str(tmp_path / "byte.json")], "top-p"),
+        (
+            ["generate", str(ckpt), "--prompt", "w1", "--tokenizer", str(tmp_path)],
+            "more than the model's vocab_size=264",
+        ),
+    ]
+    for argv, needle in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (argv, lines)
+    assert not (tmp_path / "out").exists()

@@ -303,7 +303,11 @@ def load_model(path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """A single-device LlamaForCausalLM (forward(input_ids) -> logits [batch, seq, vocab])
     from a dtensor3d checkpoint (step or checkpoint directory) or a Hugging Face Llama
     directory, on the CPU, in eval mode."""
-    cfg, files = model_source(str(path), "load_model")
+    return model_from(*model_source(str(path), "load_model"), dtype)
+
+
+def model_from(cfg: ModelConfig, files: SliceReader, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """The single-device model of `cfg` with its parameters read from `files` (model_source's pair)."""
     model = materialize(build_on_meta(cfg), "cpu")
     with files:
         load_params(model, files)

@@ -94,7 +94,9 @@ def newest(ckpt_dir: str) -> str | None:
 def resolve(path: str, what: str) -> str:
     """A step directory, or a checkpoint directory meaning its newest complete step."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"{what}={path!r}: no such directory; give a step directory or a checkpoint directory")
+        raise CheckpointError(
+            f"{what}={path!r}: no such checkpoint (no such directory); give a step directory or a checkpoint directory"
+        )
     if STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, MANIFEST)):
         why = manifest_problem(path)
         if why is not None:

@@ -105,7 +105,9 @@ def check_out(out: str, overwrite: bool) -> None:
     """An existing non-empty --out is refused unless --overwrite, and --overwrite replaces only
     a directory prepare-data wrote (its meta.json says so); the parent must be writable."""
     if any(_inside(os.path.realpath(out), t) for t in SYSTEM_TREES):
-        raise DataError(f"--out {out!r} lies under {', '.join(SYSTEM_TREES)} (not a place for files); give a directory on a disk")
+        raise DataError(
+            f"--out {out!r} lies under {', '.join(SYSTEM_TREES)} (not a place for files); give a directory on a disk"
+        )
     if os.path.exists(out) and not os.path.isdir(out):
         raise DataError(f"--out {out!r} is an existing file; give a directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
