@@ -171,6 +171,22 @@ def test_steps_behind_or_at_the_checkpoint(ckpt, tmp_path):
     assert not (ckpt / "LOCK").exists()
 
 
+def test_grown_steps_are_noted_with_the_next_lr(ckpt, tmp_path):
+    """Resuming step 2 of a 2-step run with training.steps=3: one note line names the new length,
+    the lr step 2 now runs at (the schedule's formula over 3 steps) and the saved next_lr."""
+    from lr_schedule import scheduled_lr
+
+    from dtensor3d.recipe import load_recipe
+
+    proc = dtensor3d("train", PARITY, "training.steps=3", f"checkpoint.dir={ckpt}", f"logging.run_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
+    opt = load_recipe(PARITY).optimizer
+    now, saved = scheduled_lr(2, opt, 3), scheduled_lr(2, opt, 2)
+    assert len(notes) == 1 and "training.steps grew from 2 to 3" in notes[0], proc.stderr
+    assert f"step 2 runs at lr {now:.3e} where the saved run's next_lr was {saved:.3e}" in notes[0], notes
+
+
 # ---------------------------------------------------------------- checkpoint.dir at the door
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, UserError
+from ..optim import lr_at
 from .format import STATE, corrupt, read_manifest, sha256_file
 from .hf import HFSlices, check_hf_init, load_params
 from .lock import check_lock
@@ -93,6 +94,23 @@ def verify_hashes(step_dir: str, files: dict) -> None:
         raise CheckpointError(corrupt(os.path.join(step_dir, names[int(bad.nonzero()[0])])))
 
 
+def note_grown_steps(record: dict, recipe) -> None:
+    """One `note:` line when training.steps grew since the save: the LR schedule's decay is
+    recomputed for the new length, so the next step's lr leaves the saved run's curve."""
+    saved = ((record.get("recipe") or {}).get("training") or {}).get("steps")
+    step, steps = int(record["step"]), recipe.training.steps
+    if saved is None or steps <= saved or "next_lr" not in record:
+        return
+    lr = lr_at(step, recipe.optimizer, steps)
+    print(
+        f"note: training.steps grew from {saved} to {steps}: the LR schedule is recomputed for {steps} steps, so "
+        f"step {step} runs at lr {lr:.3e} where the saved run's next_lr was {record['next_lr']:.3e}; the "
+        f"{recipe.optimizer.decay} decay is stretched over the new length (optimizer.decay=constant keeps the lr)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def resume(state, step_dir: str) -> None:
     """Model, optimizer, step and RNG of `state` from a step directory."""
     record = check_checkpoint(step_dir, state.recipe.model, hashes=False)
@@ -103,6 +121,8 @@ def resume(state, step_dir: str) -> None:
     load_params(state.model, SliceReader(step_dir, index["model"]))
     load_optimizer(state.optimizer, state.model, SliceReader(step_dir, index["optim"]))
     state.step = int(record["step"])
+    if dist.get_rank() == 0:
+        note_grown_steps(record, state.recipe)
     rng = record.get("rng") or {}
     if "cpu" in rng:
         torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
