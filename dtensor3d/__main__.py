@@ -113,6 +113,10 @@ def _validate(args) -> None:
 
 
 def _train(args) -> None:
+    if os.environ.get("DTENSOR3D_AGENT_PID"):  # under launch.sh: never outlive the node's supervisor
+        from .nodes import die_with_parent
+
+        die_with_parent()
     world = _env_int("WORLD_SIZE")
     recipe = load_recipe(args.recipe, args.overrides)
     if world is None and recipe.parallelism.world_size > 1:

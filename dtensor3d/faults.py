@@ -323,6 +323,15 @@ class Guard:
             with collective_guard(f"step {state.step}", self.recipe.training.timeout_s):
                 self.saver.wait()
 
+    def final_barrier(self) -> None:
+        """Collective, after close: every rank reached the end. A rank lost at the very end
+        ends this one with one line (status 1), and the job prints no `done:` line."""
+        try:
+            with collective_guard("the end of training", self.recipe.training.timeout_s):
+                dist.barrier()
+        except CollectiveError as e:
+            raise SystemExit(report_collective(e)) from None
+
     def close(self) -> None:
         """Always, last: let a background save of a good step finish; restore the signal handlers."""
         if self.saver is not None and self.saver.thread is not None:

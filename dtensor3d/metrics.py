@@ -151,9 +151,9 @@ class MetricsLog:
             eta = elapsed / done * max(0, self.total_steps - record["step"])
         print(console_line(record, elapsed, eta), file=sys.stdout, flush=True)
 
-    def close(self, checkpoint: str | None = None) -> None:
-        """Write loss.svg, close the files and print one line saying where everything is.
-        `checkpoint`: the last checkpoint saved (default: the one checkpoint.dir's pointer names)."""
+    def close(self, checkpoint: str | None = None, announce: bool = True) -> None:
+        """Write loss.svg, close the files and (`announce`) print one line saying where everything
+        is. `checkpoint`: the last checkpoint saved (default: the one checkpoint.dir's pointer names)."""
         if not self.enabled:
             return
         self.file.close()
@@ -163,7 +163,13 @@ class MetricsLog:
         if records:
             val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
             write_loss_svg(os.path.join(self.run_dir, "loss.svg"), [(r["step"], r["loss"]) for r in records], val)
-        print(self.summary(checkpoint if checkpoint is not None else self._latest_checkpoint()), flush=True)
+        if announce:
+            self.done(checkpoint)
+
+    def done(self, checkpoint: str | None = None) -> None:
+        """The `done:` line (only for a job every rank finished: the trainer calls it last)."""
+        if self.enabled:
+            print(self.summary(checkpoint if checkpoint is not None else self._latest_checkpoint()), flush=True)
 
     def summary(self, checkpoint: str | None) -> str:
         def where(name: str) -> str | None:

@@ -126,28 +126,62 @@ def summary(failures: list[Failure]) -> str:
     return text
 
 
-def final_line(attempts: list[list[Failure]], max_restarts: int) -> str:
+def final_line(attempts: list[list[Failure]], max_restarts: int, lost: str | None = None) -> str:
+    lost = f"{lost}; " if lost else ""
     if len(attempts) == 1:
-        return f"error: the job failed: {summary(attempts[0])}"
+        return f"error: the job failed: {lost}{summary(attempts[0])}"
     restarts = len(attempts) - 1
     return (
-        f"error: the job failed after {restarts} restart(s) (MAX_RESTARTS={max_restarts}); "
+        f"error: the job failed after {restarts} restart(s) (MAX_RESTARTS={max_restarts}); {lost}"
         f"the first failure: {summary(attempts[0])}; the last: {summary(attempts[-1])}"
     )
+
+
+# ---------------------------------------------------------------- the nodes
+
+
+def job_recipe(cmd_args: list[str]):
+    """The resolved recipe of `... -m dtensor3d train RECIPE [overrides]` (validated by launch.sh)."""
+    from .recipe import load_recipe
+
+    i = cmd_args.index("train")
+    return load_recipe(cmd_args[i + 1], [a for a in cmd_args[i + 2 :] if not a.startswith("-")])
+
+
+def meet_nodes(args, config, cmd_args: list[str], rdzv):
+    """Multi-node: every node joins and compares recipes through the rendezvous store (nodes.py),
+    then beats; returns the agent's `watch` (which node was lost), or None for one node."""
+    if config.max_nodes <= 1:
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from . import nodes
+
+    recipe = job_recipe(cmd_args)
+    host, _, port = rdzv.endpoint.rpartition(":")
+    timeout = timedelta(seconds=recipe.training.timeout_s)
+    store = TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    nodes.meet(store, args.node_rank, config.max_nodes, recipe.to_dict(), recipe.training.timeout_s)
+    nodes.Heartbeat(store, args.node_rank)
+    return lambda: nodes.lost_nodes(store, config.max_nodes, args.node_rank)
 
 
 # ---------------------------------------------------------------- the agent
 
 
-def make_agent(spec, config, stopping: threading.Event):
+def make_agent(spec, config, stopping: threading.Event, watch=None):
     """torch's LocalElasticAgent, keeping each attempt's failures and ending the job at a
-    deterministic failure (status 2) or after a SIGTERM/SIGINT instead of restarting."""
+    deterministic failure (status 2) or after a SIGTERM/SIGINT instead of restarting.
+    `watch()`: for a multi-node job, the phrase naming a lost node (nodes.lost_nodes) or None."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class Agent(LocalElasticAgent):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             self.attempts: list[list[Failure]] = []
+            self.lost: str | None = None  # the last failed attempt's lost node(s), if any
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
@@ -155,12 +189,14 @@ def make_agent(spec, config, stopping: threading.Event):
                 return result
             failures = failures_of(result)
             self.attempts.append(failures)
+            self.lost = watch() if watch is not None else None
             if first_failure(failures).exitcode == DETERMINISTIC or stopping.is_set():
                 self._remaining_restarts = 0  # the agent's own count: 0 makes this attempt the last
             elif self._remaining_restarts > 0:
                 n, m = len(self.attempts), spec.max_restarts
+                lost = f"{self.lost}; " if self.lost else ""
                 print(
-                    f"restarting ({n} of MAX_RESTARTS={m}): {summary(failures)}; every rank restarts "
+                    f"restarting ({n} of MAX_RESTARTS={m}): {lost}{summary(failures)}; every rank restarts "
                     f"from the newest complete checkpoint",
                     file=sys.stderr,
                     flush=True,
@@ -176,18 +212,15 @@ def make_agent(spec, config, stopping: threading.Event):
     )
 
 
-def launch(args, stopping: threading.Event):
-    """torch's launcher.api.launch_agent, less its metrics, events and health-check server:
-    run the agent; return it (its `attempts`) and whether the workers succeeded (None: the
-    rendezvous was closed, by another node's agent that ended the job)."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.run import config_from_args
+def rendezvous_parameters(config, cmd_args: list[str], node_rank: int):
+    """torchrun's c10d rendezvous; with several nodes it waits training.timeout_s (torch: 600 s)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    config, cmd, cmd_args = config_from_args(args)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    rdzv = RendezvousParameters(
+    if config.max_nodes > 1:  # node 0 hosts the store at MASTER_ADDR (on one machine too), others wait for it
+        seconds = int(max(1, job_recipe(cmd_args).training.timeout_s))
+        config.rdzv_configs.update(join_timeout=seconds, read_timeout=seconds)
+        config.rdzv_configs["is_host"] = "1" if node_rank == 0 else "0"
+    return RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
         run_id=config.run_id,
@@ -196,21 +229,62 @@ def launch(args, stopping: threading.Event):
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
+
+
+def unreachable(rdzv, what: str) -> str:
+    return f"node 0 (the rendezvous host, {rdzv.endpoint}; MASTER_ADDR:MASTER_PORT) {what}"
+
+
+def failed_first(agent) -> str:
+    return f"; {summary(agent.attempts[-1])}" if agent.attempts else ""
+
+
+def launch(args, stopping: threading.Event):
+    """torch's launcher.api.launch_agent, less its metrics, events and health-check server:
+    run the agent; return it (its `attempts`) and whether the workers succeeded (None: the
+    rendezvous was closed, by another node's agent that ended the job)."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.run import config_from_args
+
+    from .nodes import NodesError
+
+    config, cmd, cmd_args = config_from_args(args)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    rdzv = rendezvous_parameters(config, cmd_args, args.node_rank)
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=cmd,
         args=tuple(cmd_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
+        rdzv_handler=None,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
     )
-    agent = make_agent(spec, config, stopping)
+    try:
+        handler = rdzv_registry.get_rendezvous_handler(rdzv)
+    except RendezvousConnectionError:  # node 0's store never came up
+        raise NodesError(unreachable(rdzv, "could not be reached")) from None
+    spec = dataclasses.replace(spec, rdzv_handler=handler)
+    agent = make_agent(spec, config, stopping, meet_nodes(args, config, cmd_args, rdzv))
     try:
         result = agent.run()  # None: torch's own "graceful exit" of the rendezvous
     except RendezvousClosedError:  # a restart found the rendezvous closed
         result = None
+    except RendezvousConnectionError:  # node 0, which hosts the rendezvous store, is gone
+        raise NodesError(unreachable(rdzv, "was lost") + failed_first(agent), status=1) from None
+    except RendezvousTimeoutError:  # a restart waited training.timeout_s for a node that never came back
+        lost = f" ({agent.lost})" if agent.lost else ""
+        raise NodesError(
+            f"the job failed and a node did not rejoin within training.timeout_s={rdzv.get('join_timeout')} s"
+            f"{lost}; the newest complete checkpoint is kept: start every node again to resume"
+        ) from None
     finally:
         spec.rdzv_handler.shutdown()  # closes the rendezvous: other nodes' agents end too
     return agent, None if result is None else not result.is_failed()
@@ -223,13 +297,25 @@ def main(argv: list[str]) -> int:
     stopping = threading.Event()
     threading.Thread(target=forward_signals, args=(stopping,), name="dtensor3d-signals", daemon=True).start()
     os.environ[SUPERVISED] = "1"
+    os.environ["DTENSOR3D_AGENT_PID"] = str(os.getpid())  # nodes.die_with_parent: the workers' parent
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per round: see the docstring
     if "LOGLEVEL" not in os.environ:  # torch's own log lines about each failure: ours replace them
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     from torch.distributed.run import get_args_parser
 
+    if "LOGLEVEL" not in os.environ:  # after its import, which sets its level: "node_rank ... ignored" (c10d)
+        logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
+
     args = get_args_parser().parse_args(["--signals-to-handle=SIGHUP,SIGQUIT", *argv])  # SIGTERM, SIGINT: ours
-    agent, ok = launch(args, stopping)
+    from .nodes import NodesError
+
+    try:
+        agent, ok = launch(args, stopping)
+    except NodesError as e:  # a node missing at the limit, nodes that disagree (on every node), node 0 lost
+        print(
+            f"error: {e}" if e.status == DETERMINISTIC else f"error: the job failed: {e}", file=sys.stderr, flush=True
+        )
+        return e.status
     if ok:
         return 0
     if ok is None:
@@ -241,7 +327,7 @@ def main(argv: list[str]) -> int:
         if first.line and not said:
             print(first.line, file=sys.stderr, flush=True)  # ...unless only another rank saw the error
         return DETERMINISTIC
-    print(final_line(agent.attempts, args.max_restarts), file=sys.stderr, flush=True)
+    print(final_line(agent.attempts, args.max_restarts, agent.lost), file=sys.stderr, flush=True)
     return 1
 
 

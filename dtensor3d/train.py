@@ -293,7 +293,8 @@ def train(recipe: Recipe) -> list[dict]:
     finally:
         guard.close()
         loop.profiler.close()
-        loop.log.close()
-    dist.barrier()
+        loop.log.close(announce=False)
+    guard.final_barrier()  # every rank reached the end: only then the `done:` line
+    loop.log.done()
     dist.destroy_process_group()
     return loop.log.records

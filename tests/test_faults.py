@@ -421,3 +421,62 @@ def test_save_out_of_space_keeps_the_previous_checkpoint(tmp_path):
     assert digest(ckpt / "step_00000002") == before
     assert sorted(p.name for p in ckpt.iterdir() if "step_" in p.name) == ["step_00000002"]
     assert newest(str(ckpt)) == str(ckpt / "step_00000002")
+
+
+# ---------------------------------------------------------------- two nodes on one machine
+
+
+def two_nodes(jobs, tmp: Path, per_node: list[list[str]], port: int | None = None) -> list[Job]:
+    """launch.sh twice as two nodes of one job (NNODES=2, NODE_RANK 0 and 1, one MASTER_PORT)."""
+    port = port or free_port()
+    common = dict(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return [jobs(tmp, f"node{n}", [*BASE, *args], NODE_RANK=str(n), **common) for n, args in enumerate(per_node)]
+
+
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_killed_node_takes_its_ranks_and_the_other_node_names_it(tmp_path, jobs, lost):
+    """SIGKILL to one node's launcher process group (node 0 also hosts the rendezvous store):
+    its rank dies with its agent (no orphan training unsupervised), the other node's rank fails
+    in its next collective, and that node ends with one line naming the lost node, no `done:`
+    line, no traceback."""
+    args = ["training.steps=100000", "training.timeout_s=20", f"logging.run_dir={tmp_path / 'run'}"]
+    nodes = two_nodes(jobs, tmp_path, [args, args])
+    victim, survivor = nodes[lost], nodes[1 - lost]
+    wait_until(at_step(tmp_path / "run", 2), survivor, "step 2")
+    orphan = wait_until(lambda: victim.workers().get(lost), victim, f"node {lost}'s rank")
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    wait_until(lambda: _state(orphan) in ("", "Z"), None, f"node {lost}'s rank to die", 10)
+    assert survivor.wait(60) == 1, survivor.text()[-3000:]
+    lines = error_lines(survivor.text())
+    assert len(lines) == 1 and lines[0].startswith(f"error: the job failed: node {lost} "), survivor.text()[-3000:]
+    assert "was lost" in lines[0] and "done:" not in survivor.text()
+    no_traceback(survivor)
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return ""
+
+
+def test_a_node_that_never_joins_is_one_line_at_the_timeout(tmp_path, jobs):
+    """Node 0 alone: a line every 10 s says who joined; at training.timeout_s one error, exit 2."""
+    start = time.monotonic()
+    (node0,) = two_nodes(jobs, tmp_path, [["training.timeout_s=12"]])
+    assert node0.wait(60) == 2, node0.text()[-3000:]
+    assert time.monotonic() - start < 12 + 20  # the limit, plus launch.sh's validate and imports
+    text = node0.text()
+    assert "waiting for nodes: 1 of 2 joined (node 0), 10 s of 12" in text, text
+    lines = error_lines(text)
+    assert len(lines) == 1 and "the rendezvous timed out after 12 s" in lines[0] and "missing: node 1" in lines[0]
+    no_traceback(node0)
+
+
+def test_nodes_with_different_recipes_are_refused_on_every_node(tmp_path, jobs):
+    node0, node1 = two_nodes(jobs, tmp_path, [["training.steps=10"], ["training.steps=6"]])
+    for node in (node0, node1):
+        assert node.wait(120) == 2, node.text()[-3000:]
+        lines = error_lines(node.text())
+        assert lines == ["error: the nodes' recipes differ at training.steps: node 0 has 10, node 1 has 6; start "
+                         "every node with the same recipe, overrides and dtensor3d"], node.text()[-3000:]  # fmt: skip
+        no_traceback(node)
