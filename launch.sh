@@ -41,7 +41,7 @@ fi
 # ranks, which save and exit 0). c10d rendezvous at MASTER_ADDR:MASTER_PORT (node 0 hosts it);
 # a failed or killed rank restarts the job from the newest complete checkpoint, MAX_RESTARTS times;
 # a rank exiting 2 (a wrong input, a non-finite step, a failed save) ends it at once.
-exec "$PYTHON" -m dtensor3d.supervise --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+exec "$PYTHON" -m dtensor3d.launch.supervise --nnodes="$NNODES" --node_rank="$NODE_RANK" \
   --nproc_per_node="$nproc" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-dtensor3d}}" \
   --max-restarts="$MAX_RESTARTS" -m dtensor3d train "$@"

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from live_bytes import LiveBytes
 
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.parallel.comm import count_step
 from dtensor3d.parallel.shards import local
-from dtensor3d.recipe import load_recipe
-from dtensor3d.train import rank_batch, setup, train_step
+from dtensor3d.training.train import rank_batch, setup, train_step
 
 
 def nbytes(tensors) -> int:

@@ -63,8 +63,8 @@ def local_bytes(t):
     return t.numel() * t.element_size()
 
 
-from dtensor3d.recipe import load_recipe
-from dtensor3d.train import setup
+from dtensor3d.config.schema import load_recipe
+from dtensor3d.training.train import setup
 from dtensor3d.checkpoint.background import Saver
 from dtensor3d.checkpoint.resume import resume
 

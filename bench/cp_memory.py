@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = r"""
 import json, os, sys, torch, torch.distributed as dist
-from dtensor3d.recipe import load_recipe
-from dtensor3d.train import setup, rank_batch
+from dtensor3d.config.schema import load_recipe
+from dtensor3d.training.train import setup, rank_batch
 from dtensor3d.datasets.sources import make_source
 kernel = sys.argv[1]
 recipe = load_recipe(sys.argv[2], sys.argv[3:], world_size=int(os.environ["WORLD_SIZE"]))

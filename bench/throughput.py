@@ -8,7 +8,7 @@ the steps after the first two (compile: after its first step's compilation) as t
 eager vs compile, fp32 vs bf16, each recompute mode, each pipeline schedule at pp 2 (with
 each rank's idle fraction beside the bubble formula's), and world 1 against a plain PyTorch
 loop over transformers' LlamaForCausalLM of the same shape (same batch, same AdamW). On
-CUDA it adds MFU (dtensor3d.metrics' peak table). `--worker` is the per-rank entry point.
+CUDA it adds MFU (dtensor3d.training.metrics' peak table). `--worker` is the per-rank entry point.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def bubble(recipe) -> float:
 
 
 def bench_recipe(overrides: list[str], device: str):
-    from dtensor3d.recipe import recipe_from_dict, validate
+    from dtensor3d.config.schema import recipe_from_dict, validate
 
     raw = {k: dict(v) for k, v in BENCH.items()}
     raw["training"]["device"] = device
@@ -76,7 +76,7 @@ def worker(overrides: list[str], steps: int, device: str, out: str) -> None:
     import torch.distributed as dist
 
     from dtensor3d.datasets.sources import make_source
-    from dtensor3d.train import rank_batch, setup, train_step
+    from dtensor3d.training.train import rank_batch, setup, train_step
 
     recipe = bench_recipe(overrides, device)
     state = setup(recipe)
@@ -153,10 +153,10 @@ def bench_loss(model, ids: torch.Tensor, bf16: bool) -> torch.Tensor:
 def memory_table() -> list[str]:
     """Parameter, gradient and activation bytes (kept from forward to backward, one microbatch)
     of the bench model at world 1 for each recompute mode and dtype (bf16: autocast)."""
-    from dtensor3d.activations import kept_bytes
     from dtensor3d.models import build_on_meta, materialize
     from dtensor3d.models.layers import ModelHooks
-    from dtensor3d.train import init_weights
+    from dtensor3d.plan.activations import kept_bytes
+    from dtensor3d.training.train import init_weights
 
     recipe, lines = bench_recipe([], "cpu"), []
     t = recipe.training
@@ -177,7 +177,7 @@ def memory_table() -> list[str]:
 
 
 def report(name: str, r: dict, recipe, args) -> str:
-    from dtensor3d.metrics import flops_per_token, peak_flops
+    from dtensor3d.training.metrics import flops_per_token, peak_flops
 
     tokens = recipe.training.global_batch_size * recipe.training.sequence_length
     tps = tokens / r["step_s"]

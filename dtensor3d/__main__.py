@@ -12,9 +12,9 @@ import argparse
 import os
 import sys
 
+from .config.schema import RecipeError, load_recipe, validate
 from .errors import UserError, say
-from .preflight import check_machine
-from .recipe import RecipeError, load_recipe, validate
+from .launch.preflight import check_machine
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,14 +80,14 @@ def _env_int(name: str) -> int | None:
 
 
 def _plan(args) -> None:
-    from .plan import format_plan, peak_tflops
+    from .plan.report import format_plan, peak_tflops
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world)
     peak = peak_tflops(args.gpu, args.peak_tflops, args.mfu)
     if args.rank is not None and not args.simulate:
         raise RecipeError(f"plan: --rank {args.rank} is the rank --simulate builds; add --simulate")
     if args.simulate:
-        from .simulate import check_rank, format_simulate
+        from .plan.simulate import check_rank, format_simulate
 
         check_rank(recipe, args.rank or 0)  # before torch is imported
         print(format_simulate(recipe, args.rank or 0, args.json, peak=peak, mfu=args.mfu))
@@ -114,7 +114,7 @@ def _validate(args) -> None:
 
 def _train(args) -> None:
     if os.environ.get("DTENSOR3D_AGENT_PID"):  # under launch.sh: never outlive the node's supervisor
-        from .nodes import die_with_parent
+        from .launch.nodes import die_with_parent
 
         die_with_parent()
     world = _env_int("WORLD_SIZE")
@@ -131,7 +131,7 @@ def _train(args) -> None:
     check_data_at_door(recipe, hashes=False)  # sha256: by validate (launch.sh)
     _check_checkpoints(recipe, hashes=False, lock=False)  # sha256: by the ranks; the lock: next
     from .checkpoint import hold
-    from .train import train
+    from .training.train import train
 
     with hold(recipe, _env_int("RANK") or 0):  # rank 0 holds checkpoint.dir's lock
         train(recipe)
@@ -145,8 +145,8 @@ def _export_hf(args) -> None:
 
 
 def _convert_nanotron(args) -> None:
-    from .nanotron import recipe_yaml, warning_line
-    from .recipe import load_nanotron
+    from .config.nanotron import recipe_yaml, warning_line
+    from .config.schema import load_nanotron
 
     recipe, conv = load_nanotron(args.recipe, args.overrides)
     if line := warning_line(conv):

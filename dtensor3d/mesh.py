@@ -148,8 +148,8 @@ class ParallelContext:
         import torch
         import torch.distributed as dist
 
+        from .config.schema import ParallelismConfig
         from .errors import EnvError
-        from .recipe import ParallelismConfig
 
         p = ParallelismConfig(
             dp=data_parallel_size,

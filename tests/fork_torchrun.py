@@ -23,7 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 # What every rank imports (torch._dynamo: torch's own optimizer and meta init import it at run
 # time), imported once by the fork server before it forks the ranks.
-PRELOAD = ["torch._dynamo", "torch.distributed.pipelining", "dtensor3d.__main__", "dtensor3d.train"]
+PRELOAD = ["torch._dynamo", "torch.distributed.pipelining", "dtensor3d.__main__", "dtensor3d.training.train"]
 
 
 def run_rank(target: list[str]) -> None:

@@ -22,9 +22,9 @@ import math
 import re
 from pathlib import Path
 
+from dtensor3d.config.schema import stage_layers
 from dtensor3d.models import build_on_meta
-from dtensor3d.recipe import stage_layers
-from dtensor3d.schedule_model import stage_rank
+from dtensor3d.plan.schedule_model import stage_rank
 
 TP_DIM = {
     "self_attn.q_proj.weight": 0,
@@ -115,7 +115,7 @@ def check_layout(run_dir: Path, recipe) -> int:
 
 
 def _expected_comm(recipe, stage: int) -> dict[str, dict[str, int]]:
-    from dtensor3d.estimate import comm_bytes
+    from dtensor3d.plan.estimate import comm_bytes
 
     est = comm_bytes(recipe, backend="gloo")[stage]
     return {d: {k: v for k, v in kinds.items() if k != "total" and v} for d, kinds in est.items()}

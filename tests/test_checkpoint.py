@@ -28,10 +28,10 @@ from safetensors.torch import load_file
 from dtensor3d import checkpoint as ck
 from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.errors import CheckpointError
 from dtensor3d.parallel.data import local_batch
-from dtensor3d.recipe import load_recipe
 
 TOL = 1e-5
 DIST_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

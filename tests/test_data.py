@@ -9,9 +9,9 @@ import torch
 from conftest import PARITY, train_metrics
 
 from dtensor3d.__main__ import main
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.datasets.tokens import FeistelPermutation, TokenStream, TrainWindows, read_meta
-from dtensor3d.recipe import load_recipe
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ import pytest
 from conftest import PARITY, torchrun
 
 from dtensor3d.__main__ import main
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.datasets.sources import epoch_note
 from dtensor3d.datasets.tokens import TrainWindows
 from dtensor3d.parallel.data import sample_indices
-from dtensor3d.recipe import load_recipe
 
 STEPS, SAVED = 6, 3  # dp 4 trains steps 1-3 and saves; dp2 x tp2 x pp2 resumes for 4-6
 

@@ -6,8 +6,8 @@ import json
 import pytest
 from conftest import PARITY, ROOT, torchrun
 
-from dtensor3d.estimate import KINDS, bubble_fraction, comm_bytes, estimate, in_flight, shard_numel
-from dtensor3d.recipe import load_recipe
+from dtensor3d.config.schema import load_recipe
+from dtensor3d.plan.estimate import KINDS, bubble_fraction, comm_bytes, estimate, in_flight, shard_numel
 
 # The parity recipe's parameter shapes (vocab 256, hidden 64, 8 heads / 4 kv heads of 8, inter 128).
 EMBED, LAYER_SHAPES, NORM = [256, 64], [[64, 64], [32, 64], [32, 64], [64, 64], [128, 64], [128, 64], [64, 128]], [64]
@@ -190,7 +190,7 @@ def idle_share(order: dict[int, list], stages: int) -> float:
 def count_sends(p, r: int, actions) -> int:
     """Residual-stream sends of rank r: a forward to a next stage, a backward to a previous
     stage, held by another rank."""
-    from dtensor3d.schedule_model import stage_rank
+    from dtensor3d.plan.schedule_model import stage_rank
 
     sends, last = 0, p.pp_stages - 1
     for a in compute_actions(actions):
@@ -203,7 +203,7 @@ def count_sends(p, r: int, actions) -> int:
 
 
 def schedule_cases():
-    from dtensor3d.recipe import ParallelismConfig, _micro_ok
+    from dtensor3d.config.schema import ParallelismConfig, _micro_ok
 
     for engine, vs in (("1f1b", [0]), ("afab", [0]), ("interleaved_1f1b", [2, 3, 4]), ("zbv", [0]), ("dualpipev", [0])):
         for pp in (2, 3, 4, 8):
@@ -220,7 +220,7 @@ def test_schedule_formulas_match_torch_orders():
     flight (the last stage never more than one), the sends per microbatch and the bubble
     under the unit cost model equal schedule_model's closed forms exactly."""
     from dtensor3d.parallel.pipeline import local_stages
-    from dtensor3d.schedule_model import bubble_fraction, in_flight, rank_stages, sends_per_microbatch
+    from dtensor3d.plan.schedule_model import bubble_fraction, in_flight, rank_stages, sends_per_microbatch
 
     checked = 0
     for p, m in schedule_cases():
@@ -261,7 +261,7 @@ def test_selective_recompute_keeps_the_matmul_outputs():
     fp32), selective keeps the layer input 8,192 B + q/k/v 16,384 + attention output 8,192 +
     log-sum-exp 1,024 + o_proj 8,192 + gate/up/down 40,960 = 82,944 B; the rest of a layer
     (140,288 B unrecomputed) is alive once, while one layer is recomputed in backward."""
-    from dtensor3d.estimate import layer_activation_bytes, layers_activation_bytes, selective_layer_bytes
+    from dtensor3d.plan.estimate import layer_activation_bytes, layers_activation_bytes, selective_layer_bytes
 
     r = recipe("parallelism.recompute=selective")
     assert selective_layer_bytes(r, False) == 82_944 and layer_activation_bytes(r, False) == 140_288
@@ -301,7 +301,7 @@ def test_split_backward_states_match_torch_orders():
     schedule_model.split_backward_states' pairs (u, v) has v >= w and u + v >= k + w (so it
     bounds a k + b w for any b >= a >= 0), and each pair is reached where it claims exactness
     (zbv with m >= 2 pp - 1, dualpipev always)."""
-    from dtensor3d.schedule_model import split_backward_states
+    from dtensor3d.plan.schedule_model import split_backward_states
 
     checked = 0
     for p, m in schedule_cases():
@@ -325,7 +325,7 @@ def test_zbv_weight_backward_holds_a_recomputation_per_parameter():
     and keeps the copies until it ends: 9 x (140,288 - 40,960 B its groups free) + 40,960
     (tests/test_plan_accuracy.py measures it); plus the receive buffers (2 per stage and
     microbatch: 32 x 8,192 B). Stage 0's W is a whole backward: one recomputation."""
-    from dtensor3d.estimate import split_backward_bytes, weight_pass_bytes
+    from dtensor3d.plan.estimate import split_backward_bytes, weight_pass_bytes
 
     r = recipe("parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full")
     assert split_backward_bytes(r, range(1)) == 74_752

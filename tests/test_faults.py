@@ -29,7 +29,7 @@ import pytest
 from conftest import PARITY, ROOT
 
 from dtensor3d.checkpoint import newest
-from dtensor3d.supervise import Failure, final_line, first_failure, summary
+from dtensor3d.launch.supervise import Failure, final_line, first_failure, summary
 
 STEPS = 12
 # The parity model on 2 ranks (dp=2), no validation: a few hundred ms a step on 2 cores.
@@ -248,7 +248,7 @@ def test_restart_with_a_rank_late_to_the_rendezvous(tmp_path, jobs):
     address of the first round and gloo's connectFullMesh was refused; supervise.py gives each
     round a fresh store, so the restarted job completes."""
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=1"]
-    supervise = [sys.executable, "-m", "dtensor3d.supervise", "--nproc_per_node=2"]
+    supervise = [sys.executable, "-m", "dtensor3d.launch.supervise", "--nproc_per_node=2"]
     job = jobs(tmp_path, "job", [*rdzv, "tests/dist_scripts/late_rank.py"], cmd=supervise)
     assert job.wait(120) == 0, job.text()[-4000:]
     out = job.text()
@@ -264,7 +264,7 @@ def test_an_error_only_rank_1_sees_is_one_line_and_not_restarted(tmp_path, jobs)
     ends with status 2 at the first attempt, MAX_RESTARTS notwithstanding."""
     starts = tmp_path / "starts"
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=2"]
-    supervise = [sys.executable, "-m", "dtensor3d.supervise", "--nproc_per_node=2"]
+    supervise = [sys.executable, "-m", "dtensor3d.launch.supervise", "--nproc_per_node=2"]
     job = jobs(tmp_path, "job", [*rdzv, "tests/dist_scripts/rank1_error.py", str(starts)], cmd=supervise)
     assert job.wait(120) == 2, job.text()[-4000:]
     assert error_lines(job.text()) == ["error: data.path: shard 7 is unreadable (only rank 1 reads it)"], job.text()

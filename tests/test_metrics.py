@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import PARITY, ROOT, torchrun
 
-from dtensor3d.metrics import MetricsLog, write_loss_svg
+from dtensor3d.training.metrics import MetricsLog, write_loss_svg
 
 EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
 

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from conftest import torchrun
 
-from dtensor3d import nanotron
-from dtensor3d.recipe import RecipeError, load_recipe, recipe_from_dict
+from dtensor3d.config import nanotron
+from dtensor3d.config.schema import RecipeError, load_recipe, recipe_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "tests" / "nanotron_configs" / "small_llama.yaml")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import PARITY
 
-from dtensor3d.estimate import estimate, param_table, shard_numel
-from dtensor3d.recipe import load_recipe
-from dtensor3d.shapes import param_shapes, tp_dim
+from dtensor3d.config.schema import load_recipe
+from dtensor3d.plan.estimate import estimate, param_table, shard_numel
+from dtensor3d.plan.shapes import param_shapes, tp_dim
 
 REPO = Path(__file__).resolve().parents[1]
 MOE = str(REPO / "tests/recipes/moe_parity.yaml")
@@ -48,7 +48,7 @@ def imported(stderr: str) -> set[str]:
 def test_plan_imports_no_torch(args):
     p = run_plan(*args, importtime=True)
     modules = imported(p.stderr)
-    assert "dtensor3d.recipe" in modules and "yaml" in modules  # the probe sees imports at all
+    assert "dtensor3d.config.schema" in modules and "yaml" in modules  # the probe sees imports at all
     assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
     if "--simulate" in args:
         errors = [line for line in p.stderr.splitlines() if not line.startswith("import time:")]
@@ -156,7 +156,7 @@ def test_simulate_every_rank_agrees_with_estimate(name):
     """Every rank stores exactly the estimate's params of its stage (FSDP2 pads each chunk to
     ceil(d0 / n) rows), each parameter's piece is the one the estimate cuts, and the rank
     with the largest chunks holds exactly the estimate's params and optimizer bytes."""
-    from dtensor3d.simulate import simulate
+    from dtensor3d.plan.simulate import simulate
 
     path, overrides = MESHES[name]
     overrides = ([] if any("batch_size" in o for o in overrides) else ["training.global_batch_size=8"]) + overrides
@@ -176,7 +176,7 @@ def test_simulate_every_rank_agrees_with_estimate(name):
 )
 def test_simulate_planning_recipes(path, ranks):
     """1,024-rank meshes: the first, a middle and the last rank agree with the estimate."""
-    from dtensor3d.simulate import simulate
+    from dtensor3d.plan.simulate import simulate
 
     recipe = load_recipe(str(REPO / path))
     table, est = param_table(recipe), estimate(recipe)

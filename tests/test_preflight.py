@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dtensor3d.recipe import EXPERT_ONLY, load_recipe
+from dtensor3d.config.schema import EXPERT_ONLY, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "debug.yaml")

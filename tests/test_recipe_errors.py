@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dtensor3d.recipe import (
+from dtensor3d.config.schema import (
     ParallelismConfig,
     Recipe,
     RecipeError,
@@ -398,7 +398,7 @@ def _record():  # at exit: what this process loaded and started
     started = bool(dist is not None and dist.is_available() and dist.is_initialized())
     with open(os.environ["DTENSOR3D_TEST_PROBE"], "a") as f:
         record = {"argv": sys.argv, "torch": "torch" in sys.modules, "process_group": started}
-        record["train"] = "dtensor3d.train" in sys.modules
+        record["train"] = "dtensor3d.training.train" in sys.modules
         f.write(json.dumps(record) + "\\n")
 
 

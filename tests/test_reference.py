@@ -31,9 +31,9 @@ from conftest import PARITY, ROOT, train_metrics
 from lr_schedule import scheduled_lr
 from safetensors.torch import save_file
 
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.models.llama import LlamaForCausalLM
-from dtensor3d.recipe import load_recipe
 
 MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
 TOL = 1e-5
@@ -89,7 +89,7 @@ def switch_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def our_init():
     """Our topology-independent init function (its home module moves with refactors)."""
-    for module in ("dtensor3d.train", "dtensor3d.models", "dtensor3d.models.init", "dtensor3d.init"):
+    for module in ("dtensor3d.training.train", "dtensor3d.models", "dtensor3d.models.init", "dtensor3d.init"):
         with contextlib.suppress(ImportError):
             fn = getattr(importlib.import_module(module), "init_weights", None)
             if fn is not None:

@@ -10,9 +10,9 @@ from conftest import PARITY, short, train_metrics
 from sharding import check_comm, check_layout
 from test_parity import TOL, assert_parity, scheduled_lrs
 
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.errors import RecipeError
 from dtensor3d.parallel.pipeline import local_stages
-from dtensor3d.recipe import load_recipe
 
 ENGINES = ("interleaved_1f1b", "zbv", "dualpipev")
 MESHES = {"pp2": ["parallelism.pp=2"], "pp2_dp2_tp2": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2"]}

@@ -13,15 +13,15 @@ from conftest import PARITY, ROOT, short, train_metrics
 from test_parity import assert_parity, scheduled_lrs
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from dtensor3d.activations import kept_bytes
+from dtensor3d.config.schema import ParallelismConfig, load_recipe
 from dtensor3d.mesh import build_mesh, init_distributed
 from dtensor3d.models import build_on_meta, materialize
 from dtensor3d.models.layers import ModelHooks
 from dtensor3d.parallel.compile import CompileError, apply_compile
 from dtensor3d.parallel.data import apply_fsdp
 from dtensor3d.parallel.shards import local
-from dtensor3d.recipe import ParallelismConfig, load_recipe
-from dtensor3d.train import init_weights
+from dtensor3d.plan.activations import kept_bytes
+from dtensor3d.training.train import init_weights
 
 RECIPE = load_recipe(PARITY)  # the parity model: 4 layers, hidden 64, 8 heads
 IDS = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(0))

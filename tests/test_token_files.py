@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from conftest import PARITY, ROOT
 
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.models.llama import LlamaForCausalLM
 from dtensor3d.parallel.data import local_batch
-from dtensor3d.recipe import load_recipe
-from dtensor3d.train import init_weights
+from dtensor3d.training.train import init_weights
 
 SMALL = ["model.num_hidden_layers=1", "training.steps=3", "training.eval_every=0", "checkpoint.resume=none"]
 

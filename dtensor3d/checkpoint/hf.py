@@ -18,21 +18,11 @@ import tempfile
 
 import torch
 
+from ..config.schema import ModelConfig, Recipe, recipe_from_dict
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta, materialize
 from ..models.llama import LlamaForCausalLM
-from ..recipe import ModelConfig, Recipe, recipe_from_dict
-from .format import (
-    STATE,
-    check_tensors,
-    publish,
-    read_header,
-    read_json,
-    save_tensors,
-    seal,
-    step_name,
-    write_atomic,
-)
+from .format import STATE, check_tensors, publish, read_header, read_json, save_tensors, seal, step_name, write_atomic
 from .slices import SliceReader, full_index, read_into_
 from .store import check_checkpoint, expected_shapes, model_config, resolve
 

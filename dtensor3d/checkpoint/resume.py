@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, UserError
-from ..optim import lr_at
+from ..training.optim import lr_at
 from .format import STATE, corrupt, read_manifest, sha256_file
 from .hf import HFSlices, check_hf_init, load_params
 from .lock import check_lock

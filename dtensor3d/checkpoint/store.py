@@ -32,11 +32,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config.schema import ModelConfig, recipe_from_dict
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta
-from ..optim import lr_at
 from ..parallel.shards import local
-from ..recipe import ModelConfig, recipe_from_dict
+from ..training.optim import lr_at
 from .format import (
     MANIFEST,
     POINTER,

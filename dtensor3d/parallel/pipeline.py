@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..config.schema import stage_layers  # torch-free (plan uses it); importable from here as before
 from ..models import build_on_meta
-from ..recipe import stage_layers  # torch-free (plan uses it); importable from here as before
-from ..schedule_model import rank_stages
+from ..plan.schedule_model import rank_stages
 from .shards import local
 
 if TYPE_CHECKING:  # torch.distributed.pipelining is imported when a schedule is built: it

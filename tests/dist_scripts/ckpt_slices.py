@@ -25,10 +25,10 @@ from dtensor3d.checkpoint.hf import HFSlices, check_hf_init, load_params
 from dtensor3d.checkpoint.resume import resume
 from dtensor3d.checkpoint.slices import SliceReader
 from dtensor3d.checkpoint.store import check_checkpoint
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.parallel.comm import tensors_in
-from dtensor3d.recipe import load_recipe
-from dtensor3d.train import rank_batch, setup, train_step
+from dtensor3d.training.train import rank_batch, setup, train_step
 
 GATHERS = ("gather", "broadcast", "scatter", "all_to_all", "alltoall", "send", "recv")
 

@@ -7,8 +7,8 @@ import sys
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from dtensor3d.recipe import load_recipe
-from dtensor3d.train import setup
+from dtensor3d.config.schema import load_recipe
+from dtensor3d.training.train import setup
 
 out, recipe_path, *overrides = sys.argv[1:]
 recipe = load_recipe(recipe_path, overrides, world_size=int(os.environ["WORLD_SIZE"]))

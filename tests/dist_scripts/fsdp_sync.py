@@ -9,9 +9,9 @@ import sys
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from dtensor3d.config.schema import load_recipe
 from dtensor3d.datasets.sources import make_source
-from dtensor3d.recipe import load_recipe
-from dtensor3d.train import rank_batch, setup, train_step
+from dtensor3d.training.train import rank_batch, setup, train_step
 
 recipe_path, *overrides = sys.argv[1:]
 recipe = load_recipe(recipe_path, overrides, world_size=int(os.environ["WORLD_SIZE"]))

@@ -7,8 +7,8 @@ import sys
 
 import torch.distributed as dist
 
+from dtensor3d.config.schema import ParallelismConfig
 from dtensor3d.mesh import build_mesh, mesh_axis, mesh_coords
-from dtensor3d.recipe import ParallelismConfig
 
 dist.init_process_group("gloo")
 p = ParallelismConfig(dp=4, tp=int(sys.argv[1]), dp_mode="hybrid", dp_shard=2)

@@ -1,6 +1,6 @@
-"""Run under dtensor3d.supervise (launch.sh's elastic agent) with 2 ranks and --max-restarts=1:
+"""Run under dtensor3d.launch.supervise (launch.sh's elastic agent) with 2 ranks and --max-restarts=1:
 
-    python -m dtensor3d.supervise --nproc_per_node=2 --rdzv-backend=c10d \
+    python -m dtensor3d.launch.supervise --nproc_per_node=2 --rdzv-backend=c10d \
         --rdzv-endpoint=127.0.0.1:PORT --max-restarts=1 tests/dist_scripts/late_rank.py
 
 Attempt 0: both ranks form a gloo group and all-reduce, then rank 1 fails (status 1), so the

@@ -13,8 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from dtensor3d.config.schema import ParallelismConfig
 from dtensor3d.mesh import AXES, FLAT_VIEWS, ParallelContext, build_mesh
-from dtensor3d.recipe import ParallelismConfig
 
 MESHES = {
     "ep1_pp2_dp2_cp1_tp2": ParallelismConfig(pp=2, dp=2, tp=2),

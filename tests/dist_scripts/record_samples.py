@@ -1,5 +1,5 @@
 """Train with every rank recording the training samples it reads: `python -m dtensor3d
-train` with `dtensor3d.train.make_source` wrapped, so each read of sample i appends
+train` with `dtensor3d.training.train.make_source` wrapped, so each read of sample i appends
 [i, window, tokens] to OUT/rank<R>.jsonl (in the order read). Validation reads are not
 recorded. The wrapper keeps the source's attributes (windows, epoch), so the loop behaves
 as without it.
@@ -13,8 +13,8 @@ import sys
 
 import torch.distributed as dist
 
-from dtensor3d import train
 from dtensor3d.__main__ import main
+from dtensor3d.training import train
 
 
 class Recorded:

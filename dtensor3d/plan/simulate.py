@@ -15,7 +15,7 @@ It imports torch (about 10-30 s on a loaded machine); `plan` without --simulate 
 
 from __future__ import annotations
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 STEP_BYTES = 4  # AdamW's per-tensor `step`: a 0-d fp32 tensor
 
@@ -29,7 +29,7 @@ def check_rank(recipe, rank: int) -> None:
 
 def _count(model) -> dict:
     """This rank's parameters: element count, owned storage bytes, AdamW state bytes."""
-    from .parallel.shards import local, param_layout
+    from ..parallel.shards import local, param_layout
 
     layout = param_layout(model)
     params = stored = nbytes = tensors = 0
@@ -59,8 +59,8 @@ def simulate(recipe, rank: int) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .mesh import build_mesh, mesh_coords
-    from .parallel.parallelize import parallelize
+    from ..mesh import build_mesh, mesh_coords
+    from ..parallel.parallelize import parallelize
 
     p = recipe.parallelism
     if dist.is_initialized():
@@ -111,7 +111,7 @@ def format_simulate(recipe, rank: int, as_json: bool, peak: float | None = None,
     (the plan's keys and "simulate")."""
     import json
 
-    from .plan import _size, format_plan, plan_dict
+    from .report import _size, format_plan, plan_dict
 
     check_rank(recipe, rank)
     plan = plan_dict(recipe, peak=peak, mfu=mfu)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .recipe import V_SCHEDULES, stage_layers
+from ..config.schema import V_SCHEDULES, stage_layers
 from .schedule_model import bubble_fraction as schedule_bubble
 from .schedule_model import in_flight as schedule_in_flight
 from .schedule_model import rank_stages, sends_per_microbatch, split_backward_states, stage_rank

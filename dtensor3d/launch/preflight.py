@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import EnvError
+from ..errors import EnvError
 
 
 def check_machine(recipe, local_processes: int) -> None:

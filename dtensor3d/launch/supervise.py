@@ -20,7 +20,7 @@
   could read a peer's address left there by the round before and gloo's connectFullMesh is
   refused (a peer slower to start than the others: seen under load; pytorch/pytorch#135712).
 
-Usage: python -m dtensor3d.supervise [torchrun options] -m dtensor3d train RECIPE [...]
+Usage: python -m dtensor3d.launch.supervise [torchrun options] -m dtensor3d train RECIPE [...]
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def final_line(attempts: list[list[Failure]], max_restarts: int, lost: str | Non
 
 def job_recipe(cmd_args: list[str]):
     """The resolved recipe of `... -m dtensor3d train RECIPE [overrides]` (validated by launch.sh)."""
-    from .recipe import load_recipe
+    from ..config.schema import load_recipe
 
     i = cmd_args.index("train")
     return load_recipe(cmd_args[i + 1], [a for a in cmd_args[i + 2 :] if not a.startswith("-")])

@@ -13,7 +13,7 @@ import time
 import torch
 import yaml
 
-from .shapes import flops_per_token  # noqa: F401  (torch-free, for plan; re-exported)
+from ..plan.shapes import flops_per_token  # noqa: F401  (torch-free, for plan; re-exported
 
 # Dense bf16 peak FLOP/s by device name fragment (no sparsity).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}

@@ -35,8 +35,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
-from .parallel.shards import local
+from ..errors import UserError
+from ..parallel.shards import local
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 NAME_BYTES = 256  # a parameter name, as bytes, in the all-reduce that finds the first bad one
@@ -288,7 +288,7 @@ class Guard:
             raise SystemExit(report_collective(e)) from None
 
     def attach(self, state) -> None:
-        from .checkpoint.background import Saver
+        from ..checkpoint.background import Saver
 
         if self.recipe.checkpoint.dir:
             self.saver = Saver(state)  # its own group (async saves): before the timeouts are set
@@ -303,7 +303,7 @@ class Guard:
     def boundary(self, state) -> bool:
         """Collective: save when due; on an agreed SIGTERM/SIGINT save (if not just saved),
         wait for the save, print one line (rank 0) and return True."""
-        from .checkpoint import checkpoint_due
+        from ..checkpoint import checkpoint_due
 
         with collective_guard(f"step {state.step}", self.recipe.training.timeout_s):
             saved = self.saver.save(state) if checkpoint_due(self.recipe, state.step) else None

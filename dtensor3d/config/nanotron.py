@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 # Top-level sections only a nanotron config has (a recipe has `checkpoint`, nanotron `checkpoints`).
 NANOTRON_SECTIONS = ("general", "tokens", "checkpoints", "data_stages", "tokenizer", "profiler", "lighteval")

@@ -15,8 +15,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .parallel import context, data, expert, tensor
-from .parallel.shards import local
+from ..parallel import context, data, expert, tensor
+from ..parallel.shards import local
 
 
 def eval_due(recipe, step: int) -> bool:

@@ -23,21 +23,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import checkpoint, faults
-from .datasets.sources import epoch_note, make_source
+from .. import checkpoint
+from ..config.schema import Recipe
+from ..datasets.sources import epoch_note, make_source
+from ..mesh import build_mesh, init_distributed, mesh_coords
+from ..models import materialize
+from ..models.layers import init_std
+from ..parallel import context, data, expert, pipeline, tensor
+from ..parallel.comm import count_step
+from ..parallel.compile import compile_seconds
+from ..parallel.parallelize import parallelize_stages
+from ..parallel.shards import copy_full_, local, write_layout
+from . import faults
 from .evaluate import eval_due, validation_loss
-from .mesh import build_mesh, init_distributed, mesh_coords
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
-from .models import materialize
-from .models.layers import init_std
 from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
-from .parallel import context, data, expert, pipeline, tensor
-from .parallel.comm import count_step
-from .parallel.compile import compile_seconds
-from .parallel.parallelize import parallelize_stages
-from .parallel.shards import copy_full_, local, write_layout
 from .profiling import StepProfiler
-from .recipe import Recipe
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
     from torch.distributed.pipelining.schedules import _PipelineSchedule

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from .parallel.shards import local
+from ..parallel.shards import local
 
 
 def lr_at(step: int, opt, total_steps: int) -> float:

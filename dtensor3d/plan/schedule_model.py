@@ -19,7 +19,7 @@ step: 1 - busy / makespan (every rank is equally busy: 3 v m units).
 
 from __future__ import annotations
 
-from .recipe import V_SCHEDULES
+from ..config.schema import V_SCHEDULES
 
 
 def rank_stages(parallelism, pp_rank: int) -> list[int]:

@@ -1,0 +1,9 @@
+"""Planning: what a run will cost, without running it.
+
+`report.py` prints `plan` (the rank layout, memory, FLOPs, bytes per collective, bubble);
+`estimate.py` is the cost model, `shapes.py` the model's parameter table,
+`schedule_model.py` each pipeline schedule's stages per rank and microbatches in flight,
+`simulate.py` one rank under a fake process group (`plan --simulate`), `activations.py`
+the activation-memory measurement the tests and bench compare against. Everything but
+`simulate.py` and `activations.py` is pure Python (no torch); imports config and mesh.
+"""
