@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config.lr import lr_at
 from ..errors import CheckpointError, UserError
-from ..training.optim import lr_at
 from .format import STATE, corrupt, read_manifest, sha256_file
 from .hf import HFSlices, check_hf_init, load_params
 from .lock import check_lock

@@ -32,11 +32,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config.lr import lr_at
 from ..config.schema import ModelConfig, recipe_from_dict
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta
 from ..parallel.shards import local
-from ..training.optim import lr_at
 from .format import (
     MANIFEST,
     POINTER,

@@ -1,4 +1,10 @@
-"""Single-device models (no distributed code here): Llama and its mixture-of-experts variant."""
+"""Single-device models (no distributed code here): Llama and its mixture-of-experts variant.
+
+`llama.py` is the whole dense model, `moe.py` the expert layer and router, `layers.py` the
+shared pieces (attention, RoPE, RMSNorm, the KV cache) and `ModelHooks`, through which the
+parallel dimensions reach inside at construction. May import config only; no process
+groups or collectives (a test checks).
+"""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import checkpoint
+from ..config.lr import lr_at
 from ..config.schema import Recipe
 from ..datasets.sources import epoch_note, make_source
 from ..mesh import build_mesh, init_distributed, mesh_coords
@@ -37,7 +38,7 @@ from ..parallel.shards import copy_full_, local, write_layout
 from . import faults
 from .evaluate import eval_due, validation_loss
 from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
-from .optim import build_optimizer, clip_, grad_sq_partial, lr_at, replication
+from .optim import build_optimizer, clip_, grad_sq_partial, replication
 from .profiling import StepProfiler
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
