@@ -95,3 +95,55 @@ def shared_run(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+# ---------------------------------------------------------------- the two tiers
+# `pytest -m "not slow"` (the quick tier, under 5 minutes on 2 cores): every test that runs in
+# this process or starts only short-lived single processes, plus one 2-rank smoke run. Every
+# other test (multi-rank runs, training runs, fault runs) is marked `slow` here, in one table,
+# so a reader sees the split at once. `pytest` runs both.
+QUICK_FILES = {
+    "test_architecture.py",
+    "test_estimate.py",
+    "test_plan.py",
+    "test_plan_accuracy.py",
+    "test_plan_simulate.py",
+    "test_prepare.py",
+    "test_recipe_errors.py",
+    "test_metrics.py",
+    "test_generate.py",
+    "test_data_door.py",
+    "test_preflight.py",
+    "test_mesh.py",
+    "test_moe.py",
+    "test_context.py",
+    "test_data.py",
+    "test_checkpoint_slices.py",
+    "test_nanotron.py",
+}
+# Tests of those files that start ranks or train (slow all the same).
+SLOW_IN_QUICK_FILES = {
+    "test_estimate_equals_measured",
+    "test_simulate_command_json_and_text",
+    "test_profile_steps_trace_holds_the_steps_matmuls_and_collectives",
+    "test_ids_beyond_the_vocabulary_under_tp2_via_launch",
+    "test_device_mesh_groups_equal_rank_groups",
+    "test_device_mesh_dp_cp_joins_dp_and_cp",
+    "test_parallel_context_3d",
+    "test_expert_parallel_dispatch_matches_local",
+    "test_cp_attention_matches_single_device",
+    "test_training_on_a_prepared_directory_matches_across_meshes",
+    "test_save_gathers_nothing",
+    "test_resume_on_another_mesh_gathers_nothing",
+    "test_init_from_hf_gathers_nothing",
+    "test_trains_like_the_native_recipe_at_world_1",
+    "test_trains_like_the_native_recipe_on_tp2",
+}
+SMOKE = {"tests/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        quick = item.path.name in QUICK_FILES and item.originalname not in SLOW_IN_QUICK_FILES
+        if not quick and item.nodeid not in SMOKE:
+            item.add_marker(pytest.mark.slow)
