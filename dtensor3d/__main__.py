@@ -13,7 +13,7 @@ import os
 import sys
 
 from .config.schema import RecipeError, load_recipe, validate
-from .errors import UserError, say
+from .errors import UserError, is_rank0, say
 from .launch.preflight import check_machine
 
 
@@ -210,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             raise  # not a reader that stopped early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
     except KeyboardInterrupt:  # Ctrl-C before training's own handler is in place (setup, a check, prepare-data)
-        rank = os.environ.get("RANK", "0")
-        if not rank.strip().isdigit() or int(rank) == 0:
+        if is_rank0():
             print(
                 f"interrupted: {command or 'dtensor3d'} stopped by Ctrl-C before it finished; nothing was saved",
                 file=sys.stderr,

@@ -29,24 +29,46 @@ class EnvError(UserError):
     """A wrong environment: variables, devices, unwritable directories."""
 
 
+SUPERVISED = "DTENSOR3D_SUPERVISED"  # set for the workers by launch/supervise.py
+
+
+def is_rank0() -> bool:
+    """This process is rank 0 of its job (RANK unset or unreadable counts as rank 0)."""
+    import os
+
+    rank = os.environ.get("RANK", "0").strip()
+    return not rank.isdigit() or int(rank) == 0
+
+
+def write_error_file(line: str, **extra) -> bool:
+    """Under launch.sh (supervise), this rank's one line into torch's error file for its rank,
+    where the supervisor reads it (`extra`: "short", "printed"); False elsewhere."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get(SUPERVISED) != "1" or not path:
+        return False
+    note = {"line": line, "time": time.time(), **extra}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": line, "timestamp": int(time.time()), "dtensor3d": note}, f)
+    except OSError:
+        return False
+    return True
+
+
 def say(err: UserError) -> None:
     """The job's one `error:` line for `err`. Rank 0 prints it. Another rank under launch.sh
     (supervise.py) records it in torch's error file for the supervisor, which prints it when
     rank 0 did not fail the same way (an error only that rank saw); elsewhere it stays quiet
-    (rank 0 says the same)."""
-    import json
-    import os
+    (rank 0 says the same). Rank 0 records that it printed: the agent may stop it (SIGTERM)
+    before it exits 2, when another rank's exit 2 came first, and the line must not be
+    printed twice."""
     import sys
-    import time
 
-    line, rank = f"error: {err}", os.environ.get("RANK", "0")
-    printed = not rank.strip().isdigit() or int(rank) == 0
+    line, printed = f"error: {err}", is_rank0()
     if printed:
         print(line, file=sys.stderr, flush=True)
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if os.environ.get("DTENSOR3D_SUPERVISED") == "1" and path:
-        # rank 0 records that it printed: the agent may stop it (SIGTERM) before it exits 2,
-        # when another rank's exit 2 came first, and the line must not be printed twice
-        note = {"line": line, "time": time.time(), "printed": printed}
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"message": line, "timestamp": int(time.time()), "dtensor3d": note}, f)
+    write_error_file(line, printed=printed)

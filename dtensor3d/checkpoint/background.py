@@ -1,11 +1,11 @@
-"""The training loop's checkpoint writer: the same step directories as `store.save`, with
-two additions.
+"""The training loop's checkpoint writer (the only one): the step directories of `store`
+(`stage_slices`, `write_slices`), with two additions.
 
 - Agreement on failure: a writer whose files cannot be written (no space, a file-size
   limit, a vanished directory) tells every rank, and all raise one CheckpointError naming
   checkpoint.dir, the step and the step a resume would take instead. The half-written
   `.tmp-step_...` directory is removed; nothing published is touched.
-- checkpoint.async (`async_save`): each rank's own slices (store.gather_stage: no
+- checkpoint.async (`async_save`): each rank's own slices (store.stage_slices: no
   collective, nothing gathered) are copied off the training tensors in the step, then
   written, sealed and published by a background thread while training goes on. At most
   one save is in flight: the next save, the end of training and a preemption wait for it.
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from .format import publish, seal, step_name
-from .store import copy_tokenizer, find_newest, gather_stage, prune, state_record, write_slices
+from .store import copy_tokenizer, find_newest, prune, stage_slices, state_record, write_slices
 
 
 class Saver:
@@ -41,7 +41,8 @@ class Saver:
         self.writers_group = None
         self.pending_step: int | None = None
         if self.background and dist.get_world_size() > 1:  # the writers agree off the main thread
-            self.writers_group = dist.new_group(writer_ranks(state), backend="gloo")
+            every_rank = list(range(dist.get_world_size()))  # each rank writes the distinct slices it holds
+            self.writers_group = dist.new_group(every_rank, backend="gloo")
 
     def save(self, state) -> str:
         """Checkpoint `state.step` (collective). Returns the step directory it will be."""
@@ -49,7 +50,7 @@ class Saver:
         step = state.step
         tmp, final = os.path.join(self.dir, f".tmp-{step_name(step)}"), os.path.join(self.dir, step_name(step))
         self._agree(self._run(lambda: _fresh_dir(tmp, state.recipe) if self.rank == 0 else None), step)
-        slices = gather_stage(state)
+        slices = stage_slices(state)
         record = state_record(state) if self.rank == 0 else None
         if not self.background:
             self._agree(self._run(lambda: write_slices(tmp, slices)), step)
@@ -119,11 +120,6 @@ class Saver:
         keep = f"{taken} is intact and is the step a resume takes" if taken else "no earlier checkpoint exists"
         why = f" ({error})" if error else " (on another rank)"
         raise CheckpointError(f"checkpoint.dir={self.dir!r}: saving step {step} failed{why}; {keep}")
-
-
-def writer_ranks(state) -> list[int]:
-    """The ranks that may write a slice: all of them (each writes the distinct slices it holds)."""
-    return list(range(dist.get_world_size()))
 
 
 def _fresh_dir(path: str, recipe) -> None:

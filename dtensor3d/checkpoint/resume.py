@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.lr import lr_at
-from ..errors import CheckpointError, UserError
+from ..errors import CheckpointError, UserError, is_rank0
 from .format import STATE, corrupt, read_manifest, sha256_file
 from .hf import HFSlices, check_hf_init, load_params
 from .lock import check_lock
@@ -54,7 +54,7 @@ def check_at_door(recipe, hashes: bool, lock: bool = True) -> None:
         if lock:
             check_lock(c.dir)
     step_dir, warnings = resume_target(recipe)
-    if os.environ.get("RANK", "0").strip() in ("0", ""):
+    if is_rank0():
         for line in warnings:
             print(line, file=sys.stderr, flush=True)
     if step_dir:

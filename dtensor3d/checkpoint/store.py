@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import time
 
 import torch
 import torch.distributed as dist
@@ -47,13 +46,10 @@ from .format import (
     VERSION,
     check_files,
     manifest_problem,
-    publish,
     read_header,
     read_json,
     read_manifest,
     save_tensors,
-    seal,
-    step_name,
 )
 from .slices import Writers, boxes, full_index
 
@@ -334,10 +330,10 @@ def _add(out: dict, places: dict, name: str, t: torch.Tensor) -> None:
         places[key] = {"name": name, "offset": list(gstart), "shape": list(t.shape)}
 
 
-def gather_stage(state) -> StageSlices:
+def stage_slices(state) -> StageSlices:
     """This rank's share of its stage's checkpoint: the pieces of each parameter and optimizer
     tensor it holds that it is the one to write (slices.Writers). Nothing is gathered and
-    nothing is copied: no communication at all (the name is kept for checkpoint/background.py)."""
+    nothing is copied: no communication at all."""
     writers = Writers(state.recipe.parallelism.dims, state.coords)
     params, moments, places = {}, {}, {}
     for name, p in state.model.named_parameters():
@@ -403,26 +399,3 @@ def copy_tokenizer(recipe, step_tmp: str) -> None:
     src = os.path.join(d.path, TOKENIZER) if d.kind == "tokens" and d.path else None
     if src and os.path.isfile(src):
         shutil.copyfile(src, os.path.join(step_tmp, TOKENIZER))
-
-
-def save(state) -> str:
-    """Write checkpoint `state.step` into checkpoint.dir. Every rank calls this."""
-    c, rank, start = state.recipe.checkpoint, dist.get_rank(), time.perf_counter()
-    name = step_name(state.step)
-    tmp = os.path.join(c.dir, f".tmp-{name}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        copy_tokenizer(state.recipe, tmp)
-    dist.barrier()
-    write_slices(tmp, gather_stage(state))
-    dist.barrier()
-    final = os.path.join(c.dir, name)
-    if rank == 0:
-        seal(tmp, state_record(state))
-        publish(c.dir, tmp, name)
-        prune(c.dir, state.step, c.keep)
-        size = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
-        print(f"checkpoint: saved {final} ({size / 1e6:.2f} MB) in {time.perf_counter() - start:.2f} s", flush=True)
-    dist.barrier()
-    return final

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from ..errors import RecipeError
+from ..errors import RecipeError, is_rank0
 
 # Top-level sections only a nanotron config has (a recipe has `checkpoint`, nanotron `checkpoints`).
 NANOTRON_SECTIONS = ("general", "tokens", "checkpoints", "data_stages", "tokenizer", "profiler", "lighteval")
@@ -611,5 +610,5 @@ def recipe_yaml(conv: Conversion, recipe_dict: dict, source: str) -> str:
 def warn(conv: Conversion) -> None:
     """Print the warning line once per job (rank 0, or outside torchrun)."""
     line = warning_line(conv)
-    if line and os.environ.get("RANK", "0") == "0":
+    if line and is_rank0():
         print(line, file=sys.stderr, flush=True)

@@ -40,6 +40,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     moe_layers: tuple[int, ...] | None = None  # None: every layer has experts
 
+    def is_moe_layer(self, index: int) -> bool:
+        """Layers with experts: all of them when the model has experts, unless moe_layers lists some."""
+        return bool(self.num_local_experts) and (self.moe_layers is None or index in self.moe_layers)
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads

@@ -34,8 +34,10 @@ import signal
 import sys
 import threading
 
+from ..errors import SUPERVISED  # set for the workers: errors.write_error_file writes torch's error file
+
 SIGNALS = {signal.SIGTERM, signal.SIGINT}
-SUPERVISED = "DTENSOR3D_SUPERVISED"  # set for the workers: faults.report writes the error file
+
 DETERMINISTIC = 2  # the exit status of a worker that printed its `error:` line (a UserError)
 
 

@@ -21,13 +21,6 @@ from .layers import MLP, KVCache, ModelHooks, RMSNorm, apply_rope, cached_attent
 from .moe import MoE
 
 
-def is_moe_layer(cfg, index: int) -> bool:
-    """Layers with experts: all of them when the model has experts, unless moe_layers lists some."""
-    if not cfg.num_local_experts:
-        return False
-    return cfg.moe_layers is None or index in cfg.moe_layers
-
-
 class Attention(nn.Module):
     def __init__(self, cfg, hooks: ModelHooks):
         super().__init__()
@@ -99,7 +92,7 @@ class LlamaModel(nn.Module):
         # A ModuleDict keyed by the global layer index: a pipeline stage drops layers and the
         # rest keep their names (model.layers.7...), like nn.ModuleList's.
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, hooks, moe=is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)}
+            {str(i): DecoderLayer(cfg, hooks, moe=cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)}
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -12,7 +12,7 @@ import json
 from ..errors import RecipeError
 from ..mesh import AXES, rank_coords, rank_groups
 
-GPUS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "B200": 2250.0}  # dense bf16 TFLOP/s
+GPUS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "B200": 2250.0, "L40S": 362.0, "A10G": 125.0}  # dense bf16 TFLOP/s
 TEXT_RANKS = 64  # above this world size the text elides the rank table and shows
 TEXT_GROUPS = 4  # this many groups per dim
 

@@ -24,7 +24,7 @@ def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
         "self_attn.o_proj.weight": (h, q),
         "post_attention_layernorm.weight": (h,),
     }
-    if not is_moe_layer(cfg, index):
+    if not cfg.is_moe_layer(index):
         return out | _mlp_shapes("mlp", h, cfg.intermediate_size)
     e, inter = cfg.num_local_experts, cfg.intermediate_size
     out |= {
@@ -41,13 +41,6 @@ def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
 def _mlp_shapes(prefix: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
     names = ("gate_proj", "up_proj", "down_proj")
     return {f"{prefix}.{n}.weight": shape for n, shape in zip(names, [(inter, h), (inter, h), (h, inter)])}
-
-
-def is_moe_layer(cfg, index: int) -> bool:
-    """Layers with experts: all of them when the model has experts, unless moe_layers lists some."""
-    if not cfg.num_local_experts:
-        return False
-    return cfg.moe_layers is None or index in cfg.moe_layers
 
 
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:

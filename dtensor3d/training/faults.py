@@ -23,19 +23,17 @@ same step.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
 import sys
 import threading
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError
+from ..errors import UserError, write_error_file
 from ..parallel.shards import local
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -244,13 +242,8 @@ def report(line: str, short: str | None = None) -> None:
     (supervise.py) it goes into torch's error file for this rank (with `short`, the line
     without torch's text, for the supervisor to quote), and the supervisor prints one line
     for the whole job, whichever ranks noticed; elsewhere it is printed."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if os.environ.get("DTENSOR3D_SUPERVISED") == "1" and path:
-        ours = {"line": line, "short": short or line, "time": time.time()}
-        record = {"message": line, "timestamp": int(time.time()), "dtensor3d": ours}
-        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-            return
+    if write_error_file(line, short=short or line):
+        return
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
 

@@ -13,17 +13,15 @@ import time
 import torch
 import yaml
 
+from ..plan.report import GPUS
 from ..plan.shapes import flops_per_token  # noqa: F401  (torch-free, for plan; re-exported
-
-# Dense bf16 peak FLOP/s by device name fragment (no sparsity).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return next((tflops * 1e12 for gpu, tflops in GPUS.items() if gpu in name), None)  # plan's table
 
 
 def peak_memory_gib(device: torch.device) -> float:
