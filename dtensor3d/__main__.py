@@ -12,8 +12,9 @@ import argparse
 import os
 import sys
 
-from .config.schema import RecipeError, load_recipe, validate
-from .errors import UserError, is_rank0, say
+from .config.checks import validate
+from .config.load import load_recipe
+from .errors import RecipeError, UserError, is_rank0, say
 from .launch.preflight import check_machine
 
 
@@ -145,8 +146,8 @@ def _export_hf(args) -> None:
 
 
 def _convert_nanotron(args) -> None:
+    from .config.load import load_nanotron
     from .config.nanotron import recipe_yaml, warning_line
-    from .config.schema import load_nanotron
 
     recipe, conv = load_nanotron(args.recipe, args.overrides)
     if line := warning_line(conv):

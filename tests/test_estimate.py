@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import PARITY, ROOT, torchrun
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.plan.estimate import KINDS, bubble_fraction, comm_bytes, estimate, in_flight, shard_numel
 
 # The parity recipe's parameter shapes (vocab 256, hidden 64, 8 heads / 4 kv heads of 8, inter 128).
@@ -203,7 +203,8 @@ def count_sends(p, r: int, actions) -> int:
 
 
 def schedule_cases():
-    from dtensor3d.config.schema import ParallelismConfig, _micro_ok
+    from dtensor3d.config.checks import _micro_ok
+    from dtensor3d.config.schema import ParallelismConfig
 
     for engine, vs in (("1f1b", [0]), ("afab", [0]), ("interleaved_1f1b", [2, 3, 4]), ("zbv", [0]), ("dualpipev", [0])):
         for pp in (2, 3, 4, 8):

@@ -22,15 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dtensor3d.config.schema import (
-    ParallelismConfig,
-    Recipe,
-    RecipeError,
-    load_recipe,
-    parse_override,
-    recipe_from_dict,
-    validate,
-)
+from dtensor3d.config.checks import validate
+from dtensor3d.config.load import load_recipe, parse_override, recipe_from_dict
+from dtensor3d.config.schema import ParallelismConfig, Recipe
+from dtensor3d.errors import RecipeError
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"3d": REPO / "recipes" / "3d.yaml", "debug": REPO / "recipes" / "debug.yaml"}

@@ -18,7 +18,8 @@ import tempfile
 
 import torch
 
-from ..config.schema import ModelConfig, Recipe, recipe_from_dict
+from ..config.load import recipe_from_dict
+from ..config.schema import ModelConfig, Recipe
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta, materialize
 from ..models.llama import LlamaForCausalLM

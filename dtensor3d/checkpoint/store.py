@@ -31,8 +31,9 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from ..config.load import recipe_from_dict
 from ..config.lr import lr_at
-from ..config.schema import ModelConfig, recipe_from_dict
+from ..config.schema import ModelConfig
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta
 from ..parallel.shards import local

@@ -144,7 +144,7 @@ def final_line(attempts: list[list[Failure]], max_restarts: int, lost: str | Non
 
 def job_recipe(cmd_args: list[str]):
     """The resolved recipe of `... -m dtensor3d train RECIPE [overrides]` (validated by launch.sh)."""
-    from ..config.schema import load_recipe
+    from ..config.load import load_recipe
 
     i = cmd_args.index("train")
     return load_recipe(cmd_args[i + 1], [a for a in cmd_args[i + 2 :] if not a.startswith("-")])
