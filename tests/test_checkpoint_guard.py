@@ -34,7 +34,7 @@ import pytest
 from conftest import PARITY, ROOT
 
 from dtensor3d.__main__ import main
-from dtensor3d.checkpoint.store import check_trajectory
+from dtensor3d.checkpoint.check import check_trajectory
 from dtensor3d.config.load import load_recipe
 from dtensor3d.errors import CheckpointError
 
