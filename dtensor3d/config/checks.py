@@ -33,6 +33,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_batch(recipe)
     _validate_schedule(recipe)
     _validate_optimizer(o)
+    _validate_decay(o, recipe.training.steps)
     _validate_rest(recipe)
 
 
@@ -218,6 +219,18 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
         )
     if not all(0.0 <= b < 1.0 for b in o.betas):
         raise RecipeError(f"optimizer.betas={list(o.betas)}: each beta must be in [0, 1)")
+
+
+def _validate_decay(o: OptimizerConfig, steps: int) -> None:
+    """decay_start within [warmup_steps, training.steps]; decay_steps >= 1. A decay that ends
+    past the last step is allowed: the run stops part-way down it."""
+    if o.decay_start is not None and not o.warmup_steps <= o.decay_start <= steps:
+        raise RecipeError(
+            f"optimizer.decay_start={o.decay_start}: the decay must begin between the warmup's end "
+            f"(warmup_steps={o.warmup_steps}) and training.steps={steps}; null: right after warmup"
+        )
+    if o.decay_steps is not None and o.decay_steps < 1:
+        raise RecipeError(f"optimizer.decay_steps={o.decay_steps}: need >= 1; null: decay to the last step")
 
 
 def _validate_rest(recipe: Recipe) -> None:

@@ -214,10 +214,12 @@ class OptimizerConfig:
     eps: float = knob(1e-8, "AdamW's epsilon")
     clip_grad: float = knob(1.0, "clip the global gradient norm to this; 0: no clipping")
     warmup_steps: int = knob(0, "linear warmup steps to lr")
-    decay: Literal["cosine", "linear", "constant"] = knob(
-        "cosine", "the decay after warmup, to min_lr at the last step"
+    decay: Literal["cosine", "linear", "1-sqrt", "constant"] = knob(
+        "cosine", "the decay's shape (1-sqrt: nanotron's), from decay_start over decay_steps to min_lr"
     )
-    min_lr: float = knob(0.0, "the learning rate the decay ends at")
+    min_lr: float = knob(0.0, "the learning rate the decay ends at, held after it")
+    decay_start: int | None = knob(None, "the step the decay begins (warmup-stable-decay); null: right after warmup")
+    decay_steps: int | None = knob(None, "the decay's length in steps, then min_lr holds; null: to the last step")
 
 
 @dataclass(frozen=True)
