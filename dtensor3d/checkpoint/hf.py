@@ -23,9 +23,10 @@ from ..config.schema import ModelConfig, Recipe
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta, materialize
 from ..models.llama import LlamaForCausalLM
+from .check import check_checkpoint, expected_shapes, model_config
+from .find import resolve
 from .format import STATE, check_tensors, publish, read_header, read_json, save_tensors, seal, step_name, write_atomic
 from .slices import SliceReader, full_index, read_into_
-from .store import check_checkpoint, expected_shapes, model_config, resolve
 
 HF_SINGLE, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

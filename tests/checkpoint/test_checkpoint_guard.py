@@ -33,7 +33,7 @@ import pytest
 from helpers import PARITY, ROOT, clean_env, one_error_line, tree_digest
 
 from dtensor3d.__main__ import main
-from dtensor3d.checkpoint.store import check_trajectory
+from dtensor3d.checkpoint.check import check_trajectory
 from dtensor3d.config.load import load_recipe
 from dtensor3d.errors import CheckpointError
 

@@ -1,6 +1,6 @@
 """Measure the bytes each rank hands to collectives in one training step, per mesh dim and
 per collective kind, and print them as JSON lines (one per rank) for comparison with
-`dtensor3d.plan.estimate.comm_bytes`.
+`dtensor3d.plan.collectives.comm_bytes`.
 
 Counting: a TorchDispatchMode sees every collective our code issues -- c10d ops (FSDP2,
 the cp gather, pipelining's send, the replicate all-reduce, the world stats all-reduce) and

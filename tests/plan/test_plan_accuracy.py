@@ -115,7 +115,7 @@ def test_zbv_weight_backward_recomputes_each_layer_per_parameter():
     copies until it ends: over 6 layers' activations per layer, within 15% of the estimate's
     weight_pass_bytes for 1 and 2 layers."""
     from dtensor3d.config.load import load_recipe
-    from dtensor3d.plan.estimate import layer_activation_bytes, split_backward_bytes, weight_pass_bytes
+    from dtensor3d.plan.memory import layer_activation_bytes, split_backward_bytes, weight_pass_bytes
 
     overrides = ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full"]
     recipe = load_recipe(str(Path(__file__).resolve().parents[1] / "recipes/parity.yaml"), overrides)
