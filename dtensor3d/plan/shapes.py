@@ -4,7 +4,7 @@ before anything starts and must not import torch, so these are pure functions of
 ModelConfig.
 
 `param_shapes` is the table `models.build_on_meta(cfg).named_parameters()` yields, name
-for name and in the same order (tests/test_plan_simulate.py checks it); `tp_dim` reads
+for name and in the same order (tests/plan/test_plan_simulate.py checks it); `tp_dim` reads
 parallel/tensor.py's plan (Colwise: a Linear's dim 0; Rowwise: a Linear's dim 1 and an
 Embedding's dim 0), checked against that plan by the same tests.
 """

@@ -1,5 +1,5 @@
 """Expert-parallel loss parity: each mesh against the 1-process run of the MoE recipe (the
-parity runs' short form, conftest.SHORT: 6 AdamW steps, fp32, CPU, load-balancing loss on),
+parity runs' short form, helpers.SHORT: 6 AdamW steps, fp32, CPU, load-balancing loss on),
 relative <= 1e-5 at every step for loss, grad_norm and the aux loss; tokens per expert equal."""
 
 import pytest

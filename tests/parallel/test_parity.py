@@ -1,5 +1,5 @@
 """Loss parity: every parallel configuration against the 1-process run of the same recipe,
-step by step (AdamW, fp32, CPU; 6 steps of microbatches of 2, conftest.SHORT, or the recipe's
+step by step (AdamW, fp32, CPU; 6 steps of microbatches of 2, helpers.SHORT, or the recipe's
 10 where a run is shared). Relative difference <= 1e-5 for loss and
 grad_norm at every step; tensor parallelism on this CPU typically lands near 1e-7."""
 

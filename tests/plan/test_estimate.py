@@ -71,8 +71,8 @@ def test_step_time_from_peak_and_mfu():
     assert est["tokens_per_sec"] == pytest.approx(8 * 32 / est["step_time_s"])
 
 
-# Every parity run (tests/test_parity.py, tests/test_moe_parity.py) already checks each
-# rank's bytes per collective against the estimate (tests/sharding.py check_comm). The mesh
+# Every parity run (tests/parallel/test_parity.py, tests/parallel/test_moe_parity.py) already checks each
+# rank's bytes per collective against the estimate (tests/helpers.py check_comm). The mesh
 # below is the one they lack: FSDP2 with uneven shards (dp 3), whose padding the estimate
 # must count. It runs 2 steps on 3 CPU ranks; step 2 is counted.
 MEASURED = {
@@ -327,7 +327,7 @@ def test_zbv_weight_backward_holds_a_recomputation_per_parameter():
     recomputed layer is gone). torch's order passes (4, 0), (3, 1), (0, 3) (awaiting I,
     between I and W): 3 x 91,136 B. A W recomputes the layer once per parameter tensor (9)
     and keeps the copies until it ends: 9 x (140,288 - 40,960 B its groups free) + 40,960
-    (tests/test_plan_accuracy.py measures it); plus the receive buffers (2 per stage and
+    (tests/plan/test_plan_accuracy.py measures it); plus the receive buffers (2 per stage and
     microbatch: 32 x 8,192 B). Stage 0's W is a whole backward: one recomputation."""
     from dtensor3d.plan.memory import split_backward_bytes, weight_pass_bytes
 
