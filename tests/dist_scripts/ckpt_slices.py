@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtensor3d.checkpoint.background import Saver
 from dtensor3d.checkpoint.check import check_checkpoint
-from dtensor3d.checkpoint.hf import HFSlices, check_hf_init, load_params
+from dtensor3d.checkpoint.hf import check_hf_init, load_params
+from dtensor3d.checkpoint.hf_names import HFSlices
 from dtensor3d.checkpoint.resume import resume
 from dtensor3d.checkpoint.slices import SliceReader
 from dtensor3d.config.load import load_recipe
