@@ -104,7 +104,7 @@ class MetricsLogging(StepHook):
 
     def __init__(self, state):
         recipe, t = state.recipe, state.recipe.training
-        self.log = MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=dist.get_rank() == 0, resume=state.step)
+        self.log = MetricsLog(recipe, enabled=dist.get_rank() == 0, resume=state.step)
         self.tokens_per_step = t.global_batch_size * t.sequence_length
         self.flops_per_token = flops_per_token(recipe.model, t.sequence_length)
         self.peak_flops = peak_flops(state.device)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import PARITY, ROOT, torchrun
 
+from dtensor3d.config.load import recipe_from_dict
+from dtensor3d.config.schema import Recipe
 from dtensor3d.training.metrics import MetricsLog, write_loss_svg
 
 EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
@@ -25,8 +27,9 @@ def record(step: int, loss: float, **extra) -> dict:
     return base | dict(peak_mem_gib=0.25, mfu=None) | extra
 
 
-def recipe_dict(steps: int, tensorboard: bool = True, ckpt: str | None = None) -> dict:
-    return {"training": {"steps": steps}, "logging": {"tensorboard": tensorboard}, "checkpoint": {"dir": ckpt}}
+def recipe(run_dir, steps: int, tensorboard: bool = True, ckpt: str | None = None) -> Recipe:
+    raw = {"training": {"steps": steps}, "logging": {"tensorboard": tensorboard, "run_dir": str(run_dir)}}
+    return recipe_from_dict(raw | {"checkpoint": {"dir": ckpt}})
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -36,11 +39,11 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_tensorboard_events_and_a_resume_without_duplicate_steps(tmp_path, capsys):
-    log = MetricsLog(str(tmp_path), recipe_dict(8), enabled=True)
+    log = MetricsLog(recipe(str(tmp_path), 8), enabled=True)
     for s in range(1, 7):  # the first run logs past its step-3 checkpoint, then dies
         log.log(record(s, 10.0 - s, aux_loss=0.01, expert_load_max_over_mean=1.5))
     log.close()
-    log = MetricsLog(str(tmp_path), recipe_dict(8), enabled=True, resume=3)
+    log = MetricsLog(recipe(str(tmp_path), 8), enabled=True, resume=3)
     for s in range(4, 9):
         log.log(record(s, 100.0 - s, val_loss=50.0 - s, aux_loss=0.02, expert_load_max_over_mean=1.25))
     log.close()
@@ -60,7 +63,7 @@ def test_console_elapsed_eta_and_the_summary_line(tmp_path, capsys):
     ckpt = tmp_path / "ck"
     (ckpt / "step_00000004").mkdir(parents=True)
     (ckpt / "latest").write_text("step_00000004\n")
-    log = MetricsLog(str(tmp_path / "run"), recipe_dict(10, ckpt=str(ckpt)), enabled=True, resume=2)
+    log = MetricsLog(recipe(str(tmp_path / "run"), 10, ckpt=str(ckpt)), enabled=True, resume=2)
     log.start -= 30.0  # 30 s spent on steps 3 and 4: 15 s a step, 6 steps to go
     log.log(record(4, 2.0))
     log.close()
@@ -71,7 +74,7 @@ def test_console_elapsed_eta_and_the_summary_line(tmp_path, capsys):
         f"done: metrics {run / 'metrics.jsonl'} | loss curve {run / 'loss.svg'} | "
         f"tensorboard {run / 'tensorboard'} (tensorboard --logdir {run}) | last checkpoint {ckpt / 'step_00000004'}"
     )
-    log = MetricsLog(str(tmp_path / "other"), recipe_dict(10, tensorboard=False), enabled=True)
+    log = MetricsLog(recipe(str(tmp_path / "other"), 10, tensorboard=False), enabled=True)
     log.close(checkpoint="/ck/step_00000010")
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"done: metrics {tmp_path / 'other' / 'metrics.jsonl'} | loss curve none (nothing logged) | "
