@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from ..errors import RecipeError
-from . import nanotron
+from . import nanotron, nanotron_keys
 from .checks import validate
 from .fields import choices_of, unwrap_optional
 from .schema import _SECTION_CLASSES, ALIASES, ENUMS, EXPERT_ONLY, NON_EMPTY, SECTIONS, TYPES, Recipe
@@ -248,7 +248,7 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_si
     """Read, override and validate a recipe (or a nanotron config, mapped by nanotron.py).
     Raises RecipeError with one line."""
     raw = _read_yaml(path)
-    if nanotron.is_nanotron(raw):
+    if nanotron_keys.is_nanotron(raw):
         recipe, conv = _from_nanotron(raw, overrides)
         nanotron.warn(conv)
     else:
@@ -265,10 +265,10 @@ def _from_nanotron(raw: dict[str, Any], overrides) -> tuple[Recipe, nanotron.Con
 def load_nanotron(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Recipe, nanotron.Conversion]:
     """`convert-nanotron`: a nanotron config file -> its validated recipe and how each field mapped."""
     raw = _read_yaml(path)
-    if not nanotron.is_nanotron(raw):
+    if not nanotron_keys.is_nanotron(raw):
         raise RecipeError(
             f"{path} is not a nanotron config (no model.model_config, and not two of the sections "
-            f"{', '.join(nanotron.NANOTRON_SECTIONS)}); it is a recipe already"
+            f"{', '.join(nanotron_keys.NANOTRON_SECTIONS)}); it is a recipe already"
         )
     recipe, conv = _from_nanotron(raw, overrides)
     validate(recipe)
