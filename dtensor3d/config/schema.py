@@ -20,6 +20,7 @@ import yaml
 
 from ..errors import RecipeError
 from . import nanotron
+from .families import ACTIVATIONS, FAMILIES, rope_problem
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,30 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     moe_layers: tuple[int, ...] | None = None  # None: every layer has experts
+    # Model families (config/families.py) and Hugging Face's switches, by their config.json names.
+    family: str = "llama"  # llama | qwen2 | qwen3 | mistral | mixtral
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads
+    attention_bias: bool = False  # biases on q, k, v and o
+    mlp_bias: bool = False  # biases on gate, up and down
+    rope_scaling: dict | None = None  # HF's rope_scaling / rope_parameters: rope_type llama3 | linear | yarn
+    sliding_window: int | None = None  # None: full attention (a window must cover the sequence)
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or FAMILIES[self.family].qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return FAMILIES[self.family].qk_norm
 
     def is_moe_layer(self, index: int) -> bool:
         """Layers with experts: all of them when the model has experts, unless moe_layers lists some."""
         return bool(self.num_local_experts) and (self.moe_layers is None or index in self.moe_layers)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
 
 def stage_layers(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None = None) -> list[range]:
@@ -283,6 +300,8 @@ ALIASES = {
     ("checkpoint", "async"): "async_save",  # `async` is a Python keyword
 }
 ENUMS = {
+    ("model", "family"): tuple(FAMILIES),
+    ("model", "hidden_act"): ACTIVATIONS,
     ("parallelism", "pp_engine"): ("1f1b", "afab", "interleaved_1f1b", "zbv", "dualpipev"),
     ("parallelism", "recompute"): ("none", "full", "selective"),
     ("parallelism", "tp_mode"): ("ALL_REDUCE", "REDUCE_SCATTER"),
@@ -348,6 +367,8 @@ def _coerce(where: str, value: Any, annotation: str) -> Any:
         return value
     if ann == "str" and isinstance(value, str):
         return value
+    if ann == "dict" and isinstance(value, dict):
+        return {str(k): v for k, v in value.items()}
     if ann == "tuple[float,float]" and isinstance(value, (list, tuple)) and len(value) == 2:
         return tuple(_coerce(where, v, "float") for v in value)
     if ann == "tuple[int,...]" and isinstance(value, (list, tuple)):
@@ -358,7 +379,11 @@ def _coerce(where: str, value: Any, annotation: str) -> Any:
 def _wrong_type(where: str, value: Any, ann: str, optional: bool) -> RecipeError:
     """The one line for a value of the wrong type (an empty value and a non-integer number
     each get their own words: YAML 1.1 reads `1e9` as a string)."""
-    expected = {"tuple[float,float]": "a list of two numbers", "tuple[int,...]": "a list of integers"}
+    expected = {
+        "tuple[float,float]": "a list of two numbers",
+        "tuple[int,...]": "a list of integers",
+        "dict": "a mapping",
+    }
     want = expected.get(ann, ann) + (" or null" if optional else "")
     if value == "":
         return _fail(f"{where}='' is the empty string; expected {want}")
@@ -586,6 +611,31 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_schedule(recipe)
     _validate_optimizer(o)
     _validate_rest(recipe)
+    _validate_family(recipe)
+
+
+def _validate_family(recipe: Recipe) -> None:
+    """What a family turns on, its RoPE scaling and its sliding window."""
+    m, seq = recipe.model, recipe.training.sequence_length
+    if FAMILIES[m.family].experts != bool(m.num_local_experts) and m.family != "llama":
+        raise _fail(
+            f"model.family={m.family!r} with num_local_experts={m.num_local_experts}: experts come with "
+            f"family 'mixtral' (or 'llama' with num_local_experts > 0), none with the others"
+        )
+    if m.head_dim <= 0 or m.head_dim % 2:
+        raise _fail(f"model.head_dim={m.head_dim} must be a positive even number (RoPE rotates pairs)")
+    for key in ("attention_bias", "mlp_bias"):
+        if getattr(m, key) and key not in FAMILIES[m.family].biases:
+            with_it = [name for name, f in FAMILIES.items() if key in f.biases]
+            raise _fail(f"model.{key}=true: family {m.family!r} has no such switch; families with it: {', '.join(with_it)}")
+    problem = rope_problem(m.rope_scaling)
+    if problem:
+        raise _fail(f"model.rope_scaling: {problem}")
+    if m.sliding_window is not None and m.sliding_window < seq:
+        raise _fail(
+            f"model.sliding_window={m.sliding_window} is smaller than training.sequence_length={seq}: "
+            f"sliding-window attention is not supported; use null or a window >= the sequence length"
+        )
 
 
 def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
@@ -600,7 +650,7 @@ def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
             f"parallelism.tp={p.tp}: model.num_key_value_heads={m.num_key_value_heads} is not "
             f"divisible by tp; valid tp: {_divisors(m.num_key_value_heads)}"
         )
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None:
         raise _fail(
             f"model.hidden_size={m.hidden_size} is not divisible by num_attention_heads="
             f"{m.num_attention_heads}; choose a multiple of {m.num_attention_heads}"
@@ -613,8 +663,6 @@ def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
     _validate_experts(m)
     if m.rms_norm_eps <= 0 or m.rope_theta <= 0:
         raise _fail(f"model.rms_norm_eps={m.rms_norm_eps}, rope_theta={m.rope_theta}: both must be > 0")
-    if m.head_dim % 2:
-        raise _fail(f"model.hidden_size={m.hidden_size}: head dim {m.head_dim} must be even for RoPE")
     if m.intermediate_size % p.tp:
         raise _fail(f"parallelism.tp={p.tp}: model.intermediate_size={m.intermediate_size} is not divisible by tp")
     if m.vocab_size % p.tp:
