@@ -44,7 +44,7 @@ FAMILIES = {
         "LlamaConfig",
         dict(
             rope_parameters=dict(
-                rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=123456.0
+                rope_type="yarn", factor=8.0, original_max_position_embeddings=32, rope_theta=123456.0
             )
         ),
         "o_proj.weight",
