@@ -43,9 +43,7 @@ FAMILIES = {
     "llama_yarn": (
         "LlamaConfig",
         dict(
-            rope_parameters=dict(
-                rope_type="yarn", factor=8.0, original_max_position_embeddings=32, rope_theta=123456.0
-            )
+            rope_parameters=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, rope_theta=123456.0)
         ),
         "o_proj.weight",
     ),

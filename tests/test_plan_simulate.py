@@ -87,7 +87,11 @@ def test_param_shapes_equal_meta_model(name):
 
 # split tensors: embedding, head; q/k/v/o of 4 layers; gate/up/down of the dense ones; the
 # column-parallel biases (q/k/v, gate/up)
-SPLIT = {"moe_shared_some_layers": 2 + 2 * 4 + 2 * 7, "llama_biases": 2 + 4 * (7 + 5), "qwen3_head_dim": 2 + 4 * (7 + 3)}
+SPLIT = {
+    "moe_shared_some_layers": 2 + 2 * 4 + 2 * 7,
+    "llama_biases": 2 + 4 * (7 + 5),
+    "qwen3_head_dim": 2 + 4 * (7 + 3),
+}
 
 
 @pytest.mark.parametrize("config", list(SPLIT))

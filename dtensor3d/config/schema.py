@@ -627,7 +627,9 @@ def _validate_family(recipe: Recipe) -> None:
     for key in ("attention_bias", "mlp_bias"):
         if getattr(m, key) and key not in FAMILIES[m.family].biases:
             with_it = [name for name, f in FAMILIES.items() if key in f.biases]
-            raise _fail(f"model.{key}=true: family {m.family!r} has no such switch; families with it: {', '.join(with_it)}")
+            raise _fail(
+                f"model.{key}=true: family {m.family!r} has no such switch; families with it: {', '.join(with_it)}"
+            )
     problem = rope_problem(m.rope_scaling)
     if problem:
         raise _fail(f"model.rope_scaling: {problem}")
