@@ -595,13 +595,12 @@ def test_init_from_hf_checked_at_the_door(hf_model, tmp_path):
 @pytest.mark.parametrize(
     "key,value,expect",
     [
-        ("attention_bias", True, "biases"),
-        ("mlp_bias", True, "biases"),
         ("hidden_act", "gelu", "silu"),
-        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "RoPE"),
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, "RoPE"),
-        ("head_dim", 16, "head_dim"),
-        ("model_type", "mistral", "Llama"),
+        ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic' is not supported; supported"),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "longrope"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
+        ("rope_parameters", {"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("model_type", "gpt2", "supported model_type: llama, qwen2, qwen3, mistral, mixtral"),
         ("attention_dropout", 0.1, "dropout"),
     ],
 )

@@ -147,9 +147,10 @@ def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
 def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from transformers 5's rope_parameters or 4's rope_theta and
     rope_scaling; the default RoPE is no scaling."""
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # a 4.x scaling wins
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
     params = dict(hf.get(key) or {})
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.pop("rope_theta", theta)
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError(f"{where}: {key}: partial_rotary_factor: only 1.0 (RoPE on the whole head) is supported")
     if "type" in params:  # transformers 4's spelling of rope_type
