@@ -62,6 +62,18 @@ CONFIGS = {
         "parallelism.tp=2",
         "parallelism.tp_mode=REDUCE_SCATTER",
     ],
+    # Model families (config/families.py): Qwen3's per-head q/k norms and head_dim 24 (not
+    # 64 / 8) at tp 2 (sequence parallel) x cp 2; Llama 3.1's RoPE scaling (past the
+    # original 8 positions) at cp 2 x pp 2, the zig-zag chunks' global positions scaled.
+    "qwen3_tp2_cp2_reduce_scatter": [
+        *("model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000"),
+        *("parallelism.tp=2", "parallelism.cp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
+    ],
+    "llama3_rope_cp2_pp2": [
+        "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+        "original_max_position_embeddings: 8}",
+        *("model.rope_theta=500000", "parallelism.cp=2", "parallelism.pp=2"),
+    ],
 }
 
 
