@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from live_bytes import LiveBytes
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.parallel.comm import count_step
 from dtensor3d.parallel.shards import local

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = r"""
 import json, sys, time
 import torch.distributed as dist
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.training.train import setup, train_step, rank_batch
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.checkpoint import checkpoint_due

@@ -63,7 +63,7 @@ def local_bytes(t):
     return t.numel() * t.element_size()
 
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.training.train import setup
 from dtensor3d.checkpoint.background import Saver
 from dtensor3d.checkpoint.resume import resume

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = r"""
 import json, os, sys, torch, torch.distributed as dist
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.training.train import setup, rank_batch
 from dtensor3d.datasets.sources import make_source
 kernel = sys.argv[1]

@@ -25,7 +25,7 @@ def counting(output, input, *args, **kwargs):
     counted[key] += input.numel() * input.element_size()
     return real(output, input, *args, **kwargs)
 dist.all_to_all_single = counting  # torch.distributed.nn.functional calls it through the module
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.training.train import setup, train_step, rank_batch
 from dtensor3d.datasets.sources import make_source
 recipe = load_recipe(sys.argv[1], sys.argv[2:], world_size=int(os.environ["WORLD_SIZE"]))
@@ -53,7 +53,7 @@ def main() -> None:
     recipe = os.path.join(ROOT, "recipes", "moe.yaml")
     overrides = [f"parallelism.ep={args.ep}", "parallelism.dp=1", f"training.steps={args.steps}", "training.device=cpu"]
     sys.path.insert(0, ROOT)
-    from dtensor3d.config.schema import load_recipe
+    from dtensor3d.config.load import load_recipe
 
     r = load_recipe(recipe, overrides)
     cmd = [

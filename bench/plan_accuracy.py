@@ -31,8 +31,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dtensor3d.config.schema import load_recipe  # noqa: E402
-from dtensor3d.plan.estimate import KINDS, estimate  # noqa: E402
+from dtensor3d.config.load import load_recipe  # noqa: E402
+from dtensor3d.plan.estimate import estimate  # noqa: E402
+from dtensor3d.plan.params import KINDS  # noqa: E402
 
 DENSE, MOE = "tests/recipes/parity.yaml", "tests/recipes/moe_parity.yaml"
 MESHES = {

@@ -60,7 +60,8 @@ def bubble(recipe) -> float:
 
 
 def bench_recipe(overrides: list[str], device: str):
-    from dtensor3d.config.schema import recipe_from_dict, validate
+    from dtensor3d.config.checks import validate
+    from dtensor3d.config.load import recipe_from_dict
 
     raw = {k: dict(v) for k, v in BENCH.items()}
     raw["training"]["device"] = device

@@ -12,8 +12,9 @@ import argparse
 import os
 import sys
 
-from .config.schema import RecipeError, load_recipe, validate
-from .errors import UserError, is_rank0, say
+from .config.checks import validate
+from .config.load import load_recipe
+from .errors import RecipeError, UserError, is_rank0, say
 from .launch.preflight import check_machine
 
 
@@ -29,15 +30,16 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the mesh layout and groups of a recipe")
     plan.add_argument("--world", type=int, default=None, help="check against this world size")
     plan.add_argument("--json", action="store_true", help="print JSON")
-    plan.add_argument("--gpu", default=None, help="estimate step time on this GPU: A100, H100, H200, B200")
+    plan.add_argument("--gpu", default=None, help="estimate step time on this GPU: A100, H100, H200, B200, L40S, A10G")
     plan.add_argument("--peak-tflops", type=float, default=None, help="estimate step time at this peak TFLOP/s")
     plan.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (0.4)")
     plan.add_argument("--simulate", action="store_true", help="build one rank's model on meta under a fake group")
     plan.add_argument("--rank", type=int, default=None, help="the rank --simulate builds (0)")
     check = sub.add_parser("validate", help="check a recipe; print the processes per node")
     check.add_argument("--nnodes", type=int, default=1)
+    check.add_argument("--explain", metavar="KEY", help="print a recipe field's doc, type, default and valid values")
     for p in (train, plan, check):
-        p.add_argument("recipe", help="path of a YAML recipe")
+        p.add_argument("recipe", nargs="?" if p is check else None, help="path of a YAML recipe")
         p.add_argument("overrides", nargs="*", help="key.path=value")
     export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama directory")
     export.add_argument("ckpt", help="a step directory, or a checkpoint directory (its newest)")
@@ -96,7 +98,15 @@ def _plan(args) -> None:
 
 
 def _validate(args) -> None:
-    """launch.sh's door: the recipe, NNODES, this machine, the checkpoints; prints the processes per node."""
+    """launch.sh's door: the recipe, NNODES, this machine, the checkpoints; prints the processes per node.
+    With --explain KEY: that recipe field's reference instead (config/explain.py)."""
+    if args.explain:
+        from .config.explain import explain
+
+        print(explain(args.explain))
+        return
+    if args.recipe is None:
+        raise RecipeError("validate: give a RECIPE (a YAML recipe), or --explain section.key")
     recipe = load_recipe(args.recipe, args.overrides)
     world = recipe.parallelism.world_size
     if args.nnodes < 1 or world % args.nnodes:
@@ -145,8 +155,8 @@ def _export_hf(args) -> None:
 
 
 def _convert_nanotron(args) -> None:
+    from .config.load import load_nanotron
     from .config.nanotron import recipe_yaml, warning_line
-    from .config.schema import load_nanotron
 
     recipe, conv = load_nanotron(args.recipe, args.overrides)
     if line := warning_line(conv):

@@ -115,7 +115,7 @@ def check_layout(run_dir: Path, recipe) -> int:
 
 
 def _expected_comm(recipe, stage: int) -> dict[str, dict[str, int]]:
-    from dtensor3d.plan.estimate import comm_bytes
+    from dtensor3d.plan.collectives import comm_bytes
 
     est = comm_bytes(recipe, backend="gloo")[stage]
     return {d: {k: v for k, v in kinds.items() if k != "total" and v} for d, kinds in est.items()}

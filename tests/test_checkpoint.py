@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from dtensor3d import checkpoint as ck
 from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.errors import CheckpointError
 from dtensor3d.parallel.data import local_batch

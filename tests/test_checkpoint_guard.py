@@ -34,8 +34,8 @@ import pytest
 from conftest import PARITY, ROOT
 
 from dtensor3d.__main__ import main
-from dtensor3d.checkpoint.store import check_trajectory
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.checkpoint.check import check_trajectory
+from dtensor3d.config.load import load_recipe
 from dtensor3d.errors import CheckpointError
 
 DIST_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -176,7 +176,7 @@ def test_grown_steps_are_noted_with_the_next_lr(ckpt, tmp_path):
     the lr step 2 now runs at (the schedule's formula over 3 steps) and the saved next_lr."""
     from lr_schedule import scheduled_lr
 
-    from dtensor3d.config.schema import load_recipe
+    from dtensor3d.config.load import load_recipe
 
     proc = dtensor3d("train", PARITY, "training.steps=3", f"checkpoint.dir={ckpt}", f"logging.run_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]

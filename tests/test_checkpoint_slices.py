@@ -17,9 +17,9 @@ from conftest import PARITY, torchrun
 from safetensors.torch import load_file
 
 from dtensor3d.__main__ import main
+from dtensor3d.checkpoint.check import check_checkpoint
 from dtensor3d.checkpoint.format import SLICES, save_tensors, seal
 from dtensor3d.checkpoint.slices import SliceReader
-from dtensor3d.checkpoint.store import check_checkpoint
 from dtensor3d.errors import CheckpointError
 
 SCRIPT = "tests/dist_scripts/ckpt_slices.py"

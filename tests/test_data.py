@@ -9,7 +9,7 @@ import torch
 from conftest import PARITY, train_metrics
 
 from dtensor3d.__main__ import main
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.datasets.tokens import FeistelPermutation, TokenStream, TrainWindows, read_meta
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import PARITY, torchrun
 
 from dtensor3d.__main__ import main
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import epoch_note
 from dtensor3d.datasets.tokens import TrainWindows
 from dtensor3d.parallel.data import sample_indices

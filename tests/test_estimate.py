@@ -6,8 +6,11 @@ import json
 import pytest
 from conftest import PARITY, ROOT, torchrun
 
-from dtensor3d.config.schema import load_recipe
-from dtensor3d.plan.estimate import KINDS, bubble_fraction, comm_bytes, estimate, in_flight, shard_numel
+from dtensor3d.config.load import load_recipe
+from dtensor3d.plan.collectives import comm_bytes
+from dtensor3d.plan.estimate import estimate
+from dtensor3d.plan.memory import bubble_fraction, in_flight
+from dtensor3d.plan.params import KINDS, shard_numel
 
 # The parity recipe's parameter shapes (vocab 256, hidden 64, 8 heads / 4 kv heads of 8, inter 128).
 EMBED, LAYER_SHAPES, NORM = [256, 64], [[64, 64], [32, 64], [32, 64], [64, 64], [128, 64], [128, 64], [64, 128]], [64]
@@ -203,7 +206,8 @@ def count_sends(p, r: int, actions) -> int:
 
 
 def schedule_cases():
-    from dtensor3d.config.schema import ParallelismConfig, _micro_ok
+    from dtensor3d.config.checks import _micro_ok
+    from dtensor3d.config.schema import ParallelismConfig
 
     for engine, vs in (("1f1b", [0]), ("afab", [0]), ("interleaved_1f1b", [2, 3, 4]), ("zbv", [0]), ("dualpipev", [0])):
         for pp in (2, 3, 4, 8):
@@ -261,7 +265,7 @@ def test_selective_recompute_keeps_the_matmul_outputs():
     fp32), selective keeps the layer input 8,192 B + q/k/v 16,384 + attention output 8,192 +
     log-sum-exp 1,024 + o_proj 8,192 + gate/up/down 40,960 = 82,944 B; the rest of a layer
     (140,288 B unrecomputed) is alive once, while one layer is recomputed in backward."""
-    from dtensor3d.plan.estimate import layer_activation_bytes, layers_activation_bytes, selective_layer_bytes
+    from dtensor3d.plan.memory import layer_activation_bytes, layers_activation_bytes, selective_layer_bytes
 
     r = recipe("parallelism.recompute=selective")
     assert selective_layer_bytes(r, False) == 82_944 and layer_activation_bytes(r, False) == 140_288
@@ -325,7 +329,7 @@ def test_zbv_weight_backward_holds_a_recomputation_per_parameter():
     and keeps the copies until it ends: 9 x (140,288 - 40,960 B its groups free) + 40,960
     (tests/test_plan_accuracy.py measures it); plus the receive buffers (2 per stage and
     microbatch: 32 x 8,192 B). Stage 0's W is a whole backward: one recomputation."""
-    from dtensor3d.plan.estimate import split_backward_bytes, weight_pass_bytes
+    from dtensor3d.plan.memory import split_backward_bytes, weight_pass_bytes
 
     r = recipe("parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full")
     assert split_backward_bytes(r, range(1)) == 74_752

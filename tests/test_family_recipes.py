@@ -9,7 +9,8 @@ import math
 import pytest
 
 from dtensor3d.__main__ import main
-from dtensor3d.config.schema import load_recipe, validate
+from dtensor3d.config.checks import validate
+from dtensor3d.config.load import load_recipe
 from dtensor3d.plan.shapes import param_shapes
 
 # recipe -> parameters of the released checkpoint (tied embeddings counted once)

@@ -6,7 +6,7 @@ import pytest
 from conftest import ROOT, short, train_metrics
 from sharding import check_comm, check_layout
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 
 TOL = 1e-5
 MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")

@@ -16,7 +16,8 @@ import yaml
 from conftest import torchrun
 
 from dtensor3d.config import nanotron
-from dtensor3d.config.schema import RecipeError, load_recipe, recipe_from_dict
+from dtensor3d.config.load import load_recipe, recipe_from_dict
+from dtensor3d.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "tests" / "nanotron_configs" / "small_llama.yaml")

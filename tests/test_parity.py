@@ -17,7 +17,7 @@ from conftest import MESH_822, PARITY, ROOT, SAVES_AT_5_AND_10, short, train_met
 from lr_schedule import scheduled_lr
 from sharding import check_comm, check_layout
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 
 TOL = 1e-5
 

@@ -62,7 +62,7 @@ def test_interleaved_selective_against_measurement():
     live tensor bytes in step 2 is within 15% of the estimate's peak_bytes."""
     from plan_accuracy import DENSE, MESHES, ROOT, measure
 
-    from dtensor3d.config.schema import load_recipe
+    from dtensor3d.config.load import load_recipe
     from dtensor3d.plan.estimate import estimate
 
     path, overrides = MESHES["pp2 interl. selective"]
@@ -114,8 +114,8 @@ def test_zbv_weight_backward_recomputes_each_layer_per_parameter():
     it recomputed. W recomputes each layer once per parameter tensor (9) and keeps those
     copies until it ends: over 6 layers' activations per layer, within 15% of the estimate's
     weight_pass_bytes for 1 and 2 layers."""
-    from dtensor3d.config.schema import load_recipe
-    from dtensor3d.plan.estimate import layer_activation_bytes, split_backward_bytes, weight_pass_bytes
+    from dtensor3d.config.load import load_recipe
+    from dtensor3d.plan.memory import layer_activation_bytes, split_backward_bytes, weight_pass_bytes
 
     overrides = ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full"]
     recipe = load_recipe(str(Path(__file__).parent / "recipes/parity.yaml"), overrides)

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import PARITY
 
-from dtensor3d.config.schema import load_recipe
-from dtensor3d.plan.estimate import estimate, param_table, shard_numel
+from dtensor3d.config.load import load_recipe
+from dtensor3d.plan.estimate import estimate
+from dtensor3d.plan.params import param_table, shard_numel
 from dtensor3d.plan.shapes import param_shapes, tp_dim
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dtensor3d.config.schema import EXPERT_ONLY, load_recipe
+from dtensor3d.config.load import load_recipe
+from dtensor3d.config.schema import EXPERT_ONLY
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "debug.yaml")

@@ -22,15 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dtensor3d.config.schema import (
-    ParallelismConfig,
-    Recipe,
-    RecipeError,
-    load_recipe,
-    parse_override,
-    recipe_from_dict,
-    validate,
-)
+from dtensor3d.config.checks import validate
+from dtensor3d.config.load import load_recipe, parse_override, recipe_from_dict
+from dtensor3d.config.schema import ParallelismConfig, Recipe
+from dtensor3d.errors import RecipeError
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"3d": REPO / "recipes" / "3d.yaml", "debug": REPO / "recipes" / "debug.yaml"}
@@ -688,3 +683,39 @@ def test_validation_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_recipe_reference_is_generated_from_the_schema():
+    """docs/recipe.md is exactly what the field declarations give (regenerate it with
+    `python -m dtensor3d.config.explain > docs/recipe.md`), and it names every field."""
+    import dataclasses
+
+    from dtensor3d.config.explain import recipe_markdown
+    from dtensor3d.config.schema import _SECTION_CLASSES
+
+    text = (REPO / "docs" / "recipe.md").read_text()
+    assert text == recipe_markdown(), "docs/recipe.md is stale: python -m dtensor3d.config.explain > docs/recipe.md"
+    for section, cls in _SECTION_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            assert f"| `{f.name}`" in text, f"{section}.{f.name}"
+    assert "docs/recipe.md" in (REPO / "README.md").read_text()
+
+
+def test_explain_every_key_and_alias(capsys):
+    import dataclasses
+
+    from dtensor3d.__main__ import main
+    from dtensor3d.config.schema import _SECTION_CLASSES, ALIASES
+
+    keys = [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)]
+    keys += [f"{s}.{alias}" for (s, alias) in ALIASES]
+    for key in keys:
+        assert main(["validate", "--explain", key]) == 0, key
+        out = capsys.readouterr().out.splitlines()
+        canon = f"{key.split('.')[0]}.{ALIASES.get(tuple(key.split('.')), key.split('.')[1])}"
+        assert out[0].startswith(f"{canon}: ") and out[1].startswith("  type: ") and out[2].startswith("  default: ")
+    assert main(["validate", "--explain", "optimizer.decay"]) == 0
+    assert "type: one of cosine, linear, constant" in capsys.readouterr().out
+    assert main(["validate", "--explain", "training.stepz"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'training.steps'?" in err[0]

@@ -31,7 +31,7 @@ from conftest import PARITY, ROOT, train_metrics
 from lr_schedule import scheduled_lr
 from safetensors.torch import save_file
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.models.llama import LlamaForCausalLM
 

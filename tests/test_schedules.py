@@ -10,7 +10,7 @@ from conftest import PARITY, short, train_metrics
 from sharding import check_comm, check_layout
 from test_parity import TOL, assert_parity, scheduled_lrs
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.errors import RecipeError
 from dtensor3d.parallel.pipeline import local_stages
 

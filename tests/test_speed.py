@@ -13,7 +13,8 @@ from conftest import PARITY, ROOT, short, train_metrics
 from test_parity import assert_parity, scheduled_lrs
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from dtensor3d.config.schema import ParallelismConfig, load_recipe
+from dtensor3d.config.load import load_recipe
+from dtensor3d.config.schema import ParallelismConfig
 from dtensor3d.mesh import build_mesh, init_distributed
 from dtensor3d.models import build_on_meta, materialize
 from dtensor3d.models.layers import ModelHooks

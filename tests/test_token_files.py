@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import PARITY, ROOT
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.models.llama import LlamaForCausalLM
 from dtensor3d.parallel.data import local_batch

@@ -1,22 +1,44 @@
 """Checkpoints: safetensors and JSON only, written atomically, resumable at any mesh, and
 Hugging Face Llama / Mixtral import and export.
 
-    format.py   the bytes: safetensors headers (written tensor by tensor), manifest + sha256, atomic writes
-    slices.py   which piece of each tensor a rank holds and writes; reading any region of a tensor
-    store.py    the checkpoint directory: find the newest, check a step against a recipe, the record
-                and slices a save writes (background.py's Saver writes them), prune
-    hf.py       Hugging Face config and names; export_hf, import_hf, load_model
-    resume.py   how a run starts: check_at_door (before any process group), load_at_start
-    lock.py     one run at a time per checkpoint directory
+    format.py      the bytes: safetensors headers (written tensor by tensor), manifest + sha256, atomic writes
+    slices.py      which piece of each tensor a rank holds and writes; reading any region of a tensor
+    find.py        the newest complete step of a checkpoint directory; what a run resumes from
+    check.py       a step directory against a recipe (shapes, slices, optimizer, trajectory), no process group
+    save.py        what a save writes: this rank's slices, the state record, the tokenizer; pruning
+    background.py  the Saver (the loop's only writer; sync or async)
+    hf.py          Hugging Face config and names; export_hf, import_hf, load_model
+    resume.py      how a run starts: check_at_door (before any process group), load_at_start
+    lock.py        one run at a time per checkpoint directory
 
-Layering (no import circle): format <- slices <- store <- hf <- resume; lock needs only format's errors.
+    checkpoint.dir/
+        step_00000010/
+            model-stage00.safetensors   stage 0's first rank's slices of the parameters, by
+                                        global name (Hugging Face LlamaForCausalLM's names)
+            model-stage00-rank00001.safetensors   another rank's slices (one file per writer)
+            optim-stage00[-rankNNNNN].safetensors AdamW state: "<param>.exp_avg", ".exp_avg_sq", ".step"
+            state.json                  step, LR, data position, RNG, the recipe, the slice index
+            manifest.json               size and sha256 of every other file; written last
+        latest                          "step_00000010", replaced after the step directory exists
+        LOCK                            host and pid of the run writing here (lock.py)
+
+Saving gathers nothing: each rank writes the distinct slices it holds (slices.py: the rank at
+coordinate 0 on every axis over which a tensor is replicated writes it), each slice's place
+in the full tensor in its file's metadata and in state.json's index. A step directory is
+written as `.tmp-step_...`, sealed with its manifest and renamed into place, so a reader
+sees a whole step or none.
+
+Layering (no import circle): format <- slices <- find, check, save <- hf <- background, resume;
+lock needs only format's errors. May import config, models and parallel.shards.
 """
 
+from .check import expected_shapes
+from .find import newest, resolve, resume_dir
 from .format import publish, read_header, seal, sha256_file, step_name
 from .hf import config_from_hf, export_hf, hf_config, import_hf, load_model
 from .lock import hold
 from .resume import check_at_door, load_at_start
-from .store import checkpoint_due, expected_shapes, newest, prune, resolve, resume_dir
+from .save import checkpoint_due, prune
 
 __all__ = [
     "check_at_door",

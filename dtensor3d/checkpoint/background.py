@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from .find import find_newest
 from .format import publish, seal, step_name
-from .store import copy_tokenizer, find_newest, prune, stage_slices, state_record, write_slices
+from .save import copy_tokenizer, prune, stage_slices, state_record, write_slices
 
 
 class Saver:

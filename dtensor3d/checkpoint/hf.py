@@ -2,8 +2,7 @@
 LlamaForCausalLM's; Mixtral's experts are stacked here, one Linear each there), and the
 commands export-hf and import-hf, and `load_model` for a single-device model.
 
-Only safetensors are read; a directory holding only pickle weights is refused by name.
-"""
+Only safetensors are read; a directory holding only pickle weights is refused by name."""
 
 from __future__ import annotations
 
@@ -12,115 +11,32 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 import tempfile
 
 import torch
 
 from ..config.families import ACTIVATIONS, BY_MODEL_TYPE, FAMILIES, rope_problem
-from ..config.schema import ModelConfig, Recipe, recipe_from_dict
+from ..config.load import recipe_from_dict
+from ..config.schema import ModelConfig, Recipe
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta, materialize
 from ..models.llama import LlamaForCausalLM
+from .check import check_checkpoint, expected_shapes, model_config
+from .find import resolve
 from .format import STATE, check_tensors, publish, read_header, read_json, save_tensors, seal, step_name, write_atomic
-from .slices import SliceReader, full_index, read_into_
-from .store import check_checkpoint, expected_shapes, model_config, resolve
-
-HF_SINGLE, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Hugging Face LlamaConfig's defaults, for keys a config.json leaves out.
-HF_DEFAULTS = {
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-}
-# ModelConfig fields that a Llama config.json holds under the same name.
-LLAMA_KEYS = (*HF_DEFAULTS, "num_key_value_heads", "rope_theta")
-# ...and the ones a Mixtral config.json adds (with MixtralConfig's defaults).
-MIXTRAL_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
-# Our stacked experts [E, in, out] <-> Mixtral's one Linear weight [out, in] per expert.
-EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
-
-
-# ---------------------------------------------------------------- names and shapes
-
-
-def hf_shapes(cfg) -> dict[str, list[int]]:
-    """Parameter shapes by Hugging Face name: ours, except Mixtral's experts one by one."""
-    out = {}
-    for name, shape in expected_shapes(cfg).items():
-        m = EXPERTS_RE.match(name)
-        if m:
-            out.update({f"{m[1]}.{e}.{m[2]}.weight": [shape[2], shape[1]] for e in range(shape[0])})
-        else:
-            out[name] = shape
-    return out
-
-
-def to_hf(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One of our full tensors as Hugging Face tensors (stacked experts split and transposed)."""
-    m = EXPERTS_RE.match(name)
-    if not m:
-        return {name: full}
-    return {f"{m[1]}.{e}.{m[2]}.weight": w.T.contiguous() for e, w in enumerate(full.unbind(0))}
-
-
-def to_hf_lazy(name: str, source: SliceReader) -> dict[str, tuple]:
-    """Like `to_hf`, as (dtype, shape, produce) entries for `save_tensors`: each tensor (each
-    expert of a stacked one) is read when it is written, so an export holds one at a time."""
-    m, shape, dtype = EXPERTS_RE.match(name), source.shape(name), source.dtype(name)
-    if not m:
-        return {name: (dtype, shape, lambda: source.get(name))}
-    _, d_in, d_out = shape
-
-    def expert(e: int) -> torch.Tensor:
-        return source.read(name, [e, 0, 0], [1, d_in, d_out])[0].T
-
-    return {f"{m[1]}.{e}.{m[2]}.weight": (dtype, [d_out, d_in], lambda e=e: expert(e)) for e in range(shape[0])}
-
-
-class HFSlices(SliceReader):
-    """Our tensors by our names from a Hugging Face directory (Mixtral's experts stacked),
-    any region of them read with get_slice."""
-
-    def __init__(self, root: str, weight_map: dict[str, str]):
-        super().__init__(root, full_index(root, weight_map))
-
-    def _expert_keys(self, name: str) -> list[str] | None:
-        m = EXPERTS_RE.match(name)
-        if not m:
-            return None
-        count = sum(1 for n in self.index if n.startswith(m[1] + ".") and n.endswith(f".{m[2]}.weight"))
-        return [f"{m[1]}.{e}.{m[2]}.weight" for e in range(count)]
-
-    def shape(self, name: str) -> list[int]:
-        keys = self._expert_keys(name)
-        if keys is None:
-            return super().shape(name)
-        d_out, d_in = super().shape(keys[0])
-        return [len(keys), d_in, d_out]
-
-    def dtype(self, name: str) -> torch.dtype:
-        keys = self._expert_keys(name)
-        return super().dtype(keys[0] if keys else name)
-
-    def read(self, name: str, start=None, size=None) -> torch.Tensor:
-        keys = self._expert_keys(name)
-        if keys is None:
-            return super().read(name, start, size)
-        start, size = list(start or [0, 0, 0]), list(size or self.shape(name))
-        pieces = [
-            super(HFSlices, self).read(keys[e], [start[2], start[1]], [size[2], size[1]]).T
-            for e in range(start[0], start[0] + size[0])
-        ]
-        return torch.stack(pieces)
-
+from .hf_names import (
+    HF_DEFAULTS,
+    HF_INDEX,
+    HF_SINGLE,
+    LLAMA_KEYS,
+    MIXTRAL_DEFAULTS,
+    PICKLE_SUFFIXES,
+    HFSlices,
+    hf_shapes,
+    to_hf_lazy,
+)
+from .slices import SliceReader, read_into_
 
 # ---------------------------------------------------------------- config.json
 

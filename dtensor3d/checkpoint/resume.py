@@ -19,11 +19,13 @@ import torch.distributed as dist
 
 from ..config.lr import lr_at
 from ..errors import CheckpointError, UserError, is_rank0
+from .check import check_checkpoint, check_trajectory
+from .find import resume_target
 from .format import STATE, corrupt, read_manifest, sha256_file
-from .hf import HFSlices, check_hf_init, load_params
+from .hf import check_hf_init, load_params
+from .hf_names import HFSlices
 from .lock import check_lock
 from .slices import SliceReader, read_into_
-from .store import check_checkpoint, check_trajectory, resume_target
 
 
 def check_dir_writable(ckpt_dir: str) -> None:

@@ -21,11 +21,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtensor3d.checkpoint.background import Saver
-from dtensor3d.checkpoint.hf import HFSlices, check_hf_init, load_params
+from dtensor3d.checkpoint.check import check_checkpoint
+from dtensor3d.checkpoint.hf import check_hf_init, load_params
+from dtensor3d.checkpoint.hf_names import HFSlices
 from dtensor3d.checkpoint.resume import resume
 from dtensor3d.checkpoint.slices import SliceReader
-from dtensor3d.checkpoint.store import check_checkpoint
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.parallel.comm import tensors_in
 from dtensor3d.training.train import rank_batch, setup, train_step

@@ -1,6 +1,6 @@
 """Measure the bytes each rank hands to collectives in one training step, per mesh dim and
 per collective kind, and print them as JSON lines (one per rank) for comparison with
-`dtensor3d.plan.estimate.comm_bytes`.
+`dtensor3d.plan.collectives.comm_bytes`.
 
 Counting: a TorchDispatchMode sees every collective our code issues -- c10d ops (FSDP2,
 the cp gather, pipelining's send, the replicate all-reduce, the world stats all-reduce) and
@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.parallel.comm import count_step
 from dtensor3d.parallel.shards import local

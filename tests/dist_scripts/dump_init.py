@@ -7,7 +7,7 @@ import sys
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.training.train import setup
 
 out, recipe_path, *overrides = sys.argv[1:]

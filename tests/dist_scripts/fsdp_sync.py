@@ -9,7 +9,7 @@ import sys
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from dtensor3d.config.schema import load_recipe
+from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.training.train import rank_batch, setup, train_step
 

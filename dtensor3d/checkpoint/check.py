@@ -1,127 +1,29 @@
-"""The checkpoint directory: finding the newest complete step, checking a step directory
-against a recipe without any process group, and the collective save.
-
-    checkpoint.dir/
-        step_00000010/
-            model-stage00.safetensors   stage 0's first rank's slices of the parameters, by
-                                        global name (Hugging Face LlamaForCausalLM's names)
-            model-stage00-rank00001.safetensors   another rank's slices (one file per writer)
-            optim-stage00[-rankNNNNN].safetensors AdamW state: "<param>.exp_avg", ".exp_avg_sq", ".step"
-            state.json                  step, LR, data position, RNG, the recipe, the slice index
-            manifest.json               size and sha256 of every other file; written last
-        latest                          "step_00000010", replaced after the step directory exists
-        LOCK                            host and pid of the run writing here (lock.py)
-
-Saving gathers nothing: each rank writes the distinct slices it holds (slices.py: the rank at
-coordinate 0 on every axis over which a tensor is replicated writes it), each slice's place
-in the full tensor in its file's metadata and in state.json's index. A step directory is
-written as `.tmp-step_...`, sealed with its manifest and renamed into place, so a reader
-sees a whole step or none.
-"""
+"""Checking a step directory against a recipe without any process group: the model config,
+every tensor's slices and shapes, the optimizer state, and that a resume continues the saved
+run's trajectory."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import math
 import os
-import shutil
 
-import torch
-import torch.distributed as dist
-
-from ..config.lr import lr_at
-from ..config.schema import ModelConfig, recipe_from_dict
+from ..config.load import recipe_from_dict
+from ..config.schema import ModelConfig
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta
-from ..parallel.shards import local
 from .format import (
     MANIFEST,
-    POINTER,
     READS,
-    SLICES,
     STATE,
-    STEP_RE,
     VERSION,
     check_files,
     manifest_problem,
     read_header,
     read_json,
     read_manifest,
-    save_tensors,
 )
-from .slices import Writers, boxes, full_index
-
-# ---------------------------------------------------------------- finding checkpoints
-
-
-def find_newest(ckpt_dir: str) -> tuple[str | None, list[str]]:
-    """(the newest complete step directory, warnings). The pointer's step when it is
-    complete, else the highest-numbered complete one. Each broken step directory newer than
-    the one taken gets a warning naming it, why, and which step is taken instead; it stays."""
-    names = sorted((e for e in os.listdir(ckpt_dir) if STEP_RE.match(e)), reverse=True)
-    with contextlib.suppress(OSError):
-        with open(os.path.join(ckpt_dir, POINTER), encoding="utf-8") as f:
-            pointed = f.read().strip()
-        if STEP_RE.match(pointed) and pointed in names:
-            names.remove(pointed)
-            names.insert(0, pointed)
-    broken: list[tuple[str, str]] = []
-    for name in names:
-        why = manifest_problem(os.path.join(ckpt_dir, name))
-        if why is None:
-            taken = os.path.join(ckpt_dir, name)
-            warnings = [_broken_warning(ckpt_dir, b, w, f"resuming from {name} instead") for b, w in broken]
-            return taken, warnings
-        broken.append((name, why))
-    return None, [_broken_warning(ckpt_dir, b, w, "no complete step to resume from") for b, w in broken]
-
-
-def _broken_warning(ckpt_dir: str, name: str, why: str, what: str) -> str:
-    return f"warning: checkpoint {os.path.join(ckpt_dir, name)} is broken ({why}); {what}; it is left in place"
-
-
-def newest(ckpt_dir: str) -> str | None:
-    """The newest complete step directory of `ckpt_dir` (see find_newest), or None."""
-    return find_newest(ckpt_dir)[0]
-
-
-def resolve(path: str, what: str) -> str:
-    """A step directory, or a checkpoint directory meaning its newest complete step."""
-    if not os.path.isdir(path):
-        raise CheckpointError(
-            f"{what}={path!r}: no such checkpoint (no such directory); give a step directory or a checkpoint directory"
-        )
-    if STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, MANIFEST)):
-        why = manifest_problem(path)
-        if why is not None:
-            raise CheckpointError(
-                f"{what}={path!r} is incomplete: {why} (an interrupted save?); give a complete step directory"
-            )
-        return path
-    found = newest(path)
-    if found is None:
-        raise CheckpointError(
-            f"{what}={path!r} holds no complete checkpoint (a step_NNNNNNNN directory with a {MANIFEST})"
-        )
-    return found
-
-
-def resume_dir(recipe) -> str | None:
-    """The step directory a run resumes from, or None for a fresh start."""
-    return resume_target(recipe)[0]
-
-
-def resume_target(recipe) -> tuple[str | None, list[str]]:
-    """(the step directory a run resumes from or None, warnings about broken newer steps)."""
-    c = recipe.checkpoint
-    if c.resume == "none":
-        return None, []
-    if c.resume == "auto":
-        return find_newest(c.dir) if c.dir and os.path.isdir(c.dir) else (None, [])
-    return resolve(c.resume, "checkpoint.resume"), []
-
+from .slices import full_index
 
 # ---------------------------------------------------------------- checking a step directory
 
@@ -300,102 +202,3 @@ def check_trajectory(record: dict, recipe, where: str) -> None:
             f"training.steps={recipe.training.steps} but checkpoint {where} is at step {step}; "
             f"a resume only goes forward: set training.steps above {step}"
         )
-
-
-# ---------------------------------------------------------------- saving
-
-
-def checkpoint_due(recipe, step: int) -> bool:
-    c = recipe.checkpoint
-    return bool(c.dir) and (step == recipe.training.steps or (c.interval > 0 and step % c.interval == 0))
-
-
-@dataclasses.dataclass
-class StageSlices:
-    """What one rank writes: its distinct slices (safetensors key -> the local piece, no copy)
-    and each slice's place, {"name", "offset", "shape" (the full tensor's)}."""
-
-    tag: str  # the file tag: "stage00" for the stage's first rank, "stage00-rank00005" for another
-    params: dict
-    moments: dict
-    places: dict
-
-
-def _add(out: dict, places: dict, name: str, t: torch.Tensor) -> None:
-    """This rank's boxes of `t` under keys `name` (one box) or `name@k`."""
-    found = boxes(t, name)
-    for k, (lstart, gstart, size) in enumerate(found):
-        key = name if len(found) == 1 else f"{name}@{k}"
-        out[key] = local(t).detach()[tuple(slice(a, a + n) for a, n in zip(lstart, size))]
-        places[key] = {"name": name, "offset": list(gstart), "shape": list(t.shape)}
-
-
-def stage_slices(state) -> StageSlices:
-    """This rank's share of its stage's checkpoint: the pieces of each parameter and optimizer
-    tensor it holds that it is the one to write (slices.Writers). Nothing is gathered and
-    nothing is copied: no communication at all."""
-    writers = Writers(state.recipe.parallelism.dims, state.coords)
-    params, moments, places = {}, {}, {}
-    for name, p in state.model.named_parameters():
-        if writers.writes(p):
-            _add(params, places, name, p)
-        for key, value in sorted(state.optimizer.state.get(p, {}).items()):
-            if torch.is_tensor(value) and writers.writes(value):
-                _add(moments, places, f"{name}.{key}", value)
-    lead = all(state.coords[a] == 0 for a in ("ep", "dp", "cp", "tp"))
-    tag = f"stage{state.coords['pp']:02d}" + ("" if lead else f"-rank{dist.get_rank():05d}")
-    return StageSlices(tag, params, moments, places)
-
-
-def write_slices(tmp: str, slices: StageSlices) -> None:
-    """This rank's model-<tag> and optim-<tag> files (none when it writes nothing)."""
-    for kind, tensors in (("model", slices.params), ("optim", slices.moments)):
-        if tensors:
-            meta = {SLICES: json.dumps({k: slices.places[k] for k in tensors})}
-            save_tensors(tensors, os.path.join(tmp, f"{kind}-{slices.tag}.safetensors"), meta)
-
-
-def state_record(state) -> dict:
-    r = state.recipe
-    rng = {"cpu": torch.get_rng_state().tolist()}
-    if state.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(state.device).tolist()
-    return {
-        "step": state.step,
-        "next_lr": lr_at(state.step, r.optimizer, r.training.steps),
-        "data": {
-            "kind": r.data.kind,
-            "path": r.data.path,
-            "seed": r.training.seed,
-            "samples_consumed": state.step * r.training.global_batch_size,
-        },
-        "rng": rng,
-        "mesh": r.parallelism.dims,
-        "recipe": r.to_dict(),
-    }
-
-
-def prune(ckpt_dir: str, step: int, keep: int) -> None:
-    """Keep the newest `keep` complete step directories up to `step`; drop leftover temporaries."""
-    done = sorted(
-        e
-        for e in os.listdir(ckpt_dir)
-        if STEP_RE.match(e) and int(e[5:]) <= step and read_manifest(os.path.join(ckpt_dir, e))
-    )
-    for name in done[:-keep]:
-        shutil.rmtree(os.path.join(ckpt_dir, name))
-    for e in os.listdir(ckpt_dir):
-        if e.startswith(".tmp-step_"):
-            shutil.rmtree(os.path.join(ckpt_dir, e), ignore_errors=True)
-
-
-TOKENIZER = "tokenizer.json"
-
-
-def copy_tokenizer(recipe, step_tmp: str) -> None:
-    """data.kind tokens over a prepared directory: its tokenizer.json into the step directory
-    (before sealing, so the manifest lists it), for generate and export-hf."""
-    d = recipe.data
-    src = os.path.join(d.path, TOKENIZER) if d.kind == "tokens" and d.path else None
-    if src and os.path.isfile(src):
-        shutil.copyfile(src, os.path.join(step_tmp, TOKENIZER))

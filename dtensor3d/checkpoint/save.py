@@ -1,0 +1,121 @@
+"""What a save writes (checkpoint/background.py's Saver writes it): this rank's slices of its
+stage (nothing gathered), the state record each part of the run contributes, the tokenizer,
+and pruning old steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from ..config.lr import lr_at
+from ..parallel.shards import local
+from .format import (
+    SLICES,
+    STEP_RE,
+    read_manifest,
+    save_tensors,
+)
+from .slices import Writers, boxes
+
+# ---------------------------------------------------------------- saving
+
+
+def checkpoint_due(recipe, step: int) -> bool:
+    c = recipe.checkpoint
+    return bool(c.dir) and (step == recipe.training.steps or (c.interval > 0 and step % c.interval == 0))
+
+
+@dataclasses.dataclass
+class StageSlices:
+    """What one rank writes: its distinct slices (safetensors key -> the local piece, no copy)
+    and each slice's place, {"name", "offset", "shape" (the full tensor's)}."""
+
+    tag: str  # the file tag: "stage00" for the stage's first rank, "stage00-rank00005" for another
+    params: dict
+    moments: dict
+    places: dict
+
+
+def _add(out: dict, places: dict, name: str, t: torch.Tensor) -> None:
+    """This rank's boxes of `t` under keys `name` (one box) or `name@k`."""
+    found = boxes(t, name)
+    for k, (lstart, gstart, size) in enumerate(found):
+        key = name if len(found) == 1 else f"{name}@{k}"
+        out[key] = local(t).detach()[tuple(slice(a, a + n) for a, n in zip(lstart, size))]
+        places[key] = {"name": name, "offset": list(gstart), "shape": list(t.shape)}
+
+
+def stage_slices(state) -> StageSlices:
+    """This rank's share of its stage's checkpoint: the pieces of each parameter and optimizer
+    tensor it holds that it is the one to write (slices.Writers). Nothing is gathered and
+    nothing is copied: no communication at all."""
+    writers = Writers(state.recipe.parallelism.dims, state.coords)
+    params, moments, places = {}, {}, {}
+    for name, p in state.model.named_parameters():
+        if writers.writes(p):
+            _add(params, places, name, p)
+        for key, value in sorted(state.optimizer.state.get(p, {}).items()):
+            if torch.is_tensor(value) and writers.writes(value):
+                _add(moments, places, f"{name}.{key}", value)
+    lead = all(state.coords[a] == 0 for a in ("ep", "dp", "cp", "tp"))
+    tag = f"stage{state.coords['pp']:02d}" + ("" if lead else f"-rank{dist.get_rank():05d}")
+    return StageSlices(tag, params, moments, places)
+
+
+def write_slices(tmp: str, slices: StageSlices) -> None:
+    """This rank's model-<tag> and optim-<tag> files (none when it writes nothing)."""
+    for kind, tensors in (("model", slices.params), ("optim", slices.moments)):
+        if tensors:
+            meta = {SLICES: json.dumps({k: slices.places[k] for k in tensors})}
+            save_tensors(tensors, os.path.join(tmp, f"{kind}-{slices.tag}.safetensors"), meta)
+
+
+def state_record(state) -> dict:
+    r = state.recipe
+    rng = {"cpu": torch.get_rng_state().tolist()}
+    if state.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(state.device).tolist()
+    return {
+        "step": state.step,
+        "next_lr": lr_at(state.step, r.optimizer, r.training.steps),
+        "data": {
+            "kind": r.data.kind,
+            "path": r.data.path,
+            "seed": r.training.seed,
+            "samples_consumed": state.step * r.training.global_batch_size,
+        },
+        "rng": rng,
+        "mesh": r.parallelism.dims,
+        "recipe": r.to_dict(),
+    }
+
+
+def prune(ckpt_dir: str, step: int, keep: int) -> None:
+    """Keep the newest `keep` complete step directories up to `step`; drop leftover temporaries."""
+    done = sorted(
+        e
+        for e in os.listdir(ckpt_dir)
+        if STEP_RE.match(e) and int(e[5:]) <= step and read_manifest(os.path.join(ckpt_dir, e))
+    )
+    for name in done[:-keep]:
+        shutil.rmtree(os.path.join(ckpt_dir, name))
+    for e in os.listdir(ckpt_dir):
+        if e.startswith(".tmp-step_"):
+            shutil.rmtree(os.path.join(ckpt_dir, e), ignore_errors=True)
+
+
+TOKENIZER = "tokenizer.json"
+
+
+def copy_tokenizer(recipe, step_tmp: str) -> None:
+    """data.kind tokens over a prepared directory: its tokenizer.json into the step directory
+    (before sealing, so the manifest lists it), for generate and export-hf."""
+    d = recipe.data
+    src = os.path.join(d.path, TOKENIZER) if d.kind == "tokens" and d.path else None
+    if src and os.path.isfile(src):
+        shutil.copyfile(src, os.path.join(step_tmp, TOKENIZER))

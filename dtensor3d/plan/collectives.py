@@ -1,0 +1,186 @@
+"""The estimate's communication: bytes handed to each collective kind per mesh dim and step
+(tp per layer, FSDP/replicate per unit, pp sends, cp's gathers, ep's all-to-alls), exact
+against what parallel/comm.py counts on real runs. Pure Python."""
+
+from __future__ import annotations
+
+from .memory import _moe_layers
+from .params import FP32, KINDS, Part, rank_parts, sizes, stage_units, unit_numels
+from .schedule_model import sends_per_microbatch
+
+# -- communication -----------------------------------------------------------------------
+
+
+def _kinds(**bytes_by_kind: int) -> dict[str, int]:
+    out = {k: int(bytes_by_kind.get(k, 0)) for k in KINDS}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
+    """(forward, backward) tp bytes of one decoder layer and one microbatch."""
+    p, z = recipe.parallelism, sizes(recipe)
+    full_c, full_f = z.tokens * z.hidden * z.compute, z.tokens * z.hidden * FP32
+    part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * FP32
+    blocks = 1 if moe else 2  # attention, and the dense feed-forward (experts are replicated over tp)
+    if not p.sequence_parallel:
+        # Rowwise outputs are all-reduced forward; each colwise input's gradient backward.
+        return {"all_reduce": blocks * full_c}, {"all_reduce": (3 + 2 * (not moe)) * full_f}
+    fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
+    bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
+    if moe:  # the MoE gathers its input; backward gathers its (fp32) output's gradient
+        fwd["all_gather"] += part_f
+        bwd["all_gather"] += part_f
+    return fwd, bwd
+
+
+def replays_forward(recipe) -> bool:
+    """Whether backward runs each layer's forward collectives again: under full recompute,
+    and under selective too (its policy keeps only matmul outputs; the gathered inputs those
+    matmuls' backward reads are recomputed, collectives included -- counted on tp2 sp x cp2)."""
+    return recipe.parallelism.recompute in ("full", "selective")
+
+
+def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
+    """A layer's forward collectives that full recompute runs again in backward. Recompute
+    stops once every tensor backward needs is back (torch's non-reentrant checkpoint), so a
+    dense layer's last collective -- the feed-forward's output all-reduce (reduce-scatter
+    under sequence parallelism), whose result backward never reads -- is not repeated. An
+    MoE layer's last collective (its input's) is read by the experts: all are repeated."""
+    if moe:
+        return dict(fwd)
+    z = sizes(recipe)
+    last = "reduce_scatter" if recipe.parallelism.sequence_parallel else "all_reduce"
+    return {**fwd, last: fwd[last] - z.tokens * z.hidden * z.compute}
+
+
+def _add(total: dict, part: dict, times: int = 1) -> None:
+    for kind, n in part.items():
+        total[kind] = total.get(kind, 0) + n * times
+
+
+def tp_bytes(recipe, part: Part) -> dict[str, int]:
+    """Per step: DTensor collectives of the tp plan (parallel/tensor.py), per microbatch:
+    each layer's (and, with recompute full or selective, its forward's again), the embedding's, the head's
+    and loss_parallel's three all-reduces over the tokens (max, sum of exp, target logit);
+    per step under sequence parallelism, the all-reduce of the norm weights' gradients
+    (`match_grad_placements`), and with per-head q/k norms (Qwen3) theirs at either tp mode."""
+    p, z = recipe.parallelism, sizes(recipe)
+    if not p.tp_enabled:
+        return _kinds()
+    layers, per_micro = part.layers, {}
+    n_moe = _moe_layers(recipe, layers)
+    for moe, count in ((True, n_moe), (False, len(layers) - n_moe)):
+        fwd, bwd = _tp_layer(recipe, moe)
+        _add(per_micro, fwd, count)
+        _add(per_micro, bwd, count)
+        if replays_forward(recipe):
+            _add(per_micro, _tp_replay(recipe, fwd, moe), count)
+    full_f, part_f = z.tokens * z.hidden * FP32, z.seq_tokens * z.hidden * FP32
+    if part.first:  # vocab-parallel embedding: its partial output is reduced
+        _add(
+            per_micro,
+            {"reduce_scatter": full_f, "all_gather": part_f} if p.sequence_parallel else {"all_reduce": full_f},
+        )
+    if part.last:  # column-parallel head; loss_parallel's reductions
+        _add(
+            per_micro,
+            {"all_gather": part_f, "reduce_scatter": full_f} if p.sequence_parallel else {"all_reduce": full_f},
+        )
+        _add(per_micro, {"all_reduce": 3 * z.tokens * FP32})
+    per_step = {k: n * recipe.num_microbatches for k, n in per_micro.items()}
+    if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
+        norms = 2 * len(layers) + part.last
+        _add(per_step, {"all_reduce": norms * z.hidden * FP32})
+    if recipe.model.qk_norm:  # per-head q/k norms see this rank's heads: their gradients summed too
+        _add(per_step, {"all_reduce": 2 * len(layers) * recipe.model.head_dim * FP32})
+    return _kinds(**per_step)
+
+
+def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
+    """Per step. FSDP2: every unit all-gathers its shard for each forward and (resharded
+    after forward) each backward -- twice per microbatch; under pp parameters stay gathered
+    for the whole step: once -- and reduce-scatters its whole gradient once; under
+    dp_mode hybrid within ep x dp_shard x cp, then all-reduces the shard across the
+    dp_replicate replicas. Replicate: one all-reduce of the gradients (dense over
+    ep x dp x cp, experts over dp x cp)."""
+    p = recipe.parallelism
+    numels = unit_numels(recipe, units)
+    if p.fsdp_enabled:
+        gathers = 1 if p.pp_enabled else 2 * recipe.num_microbatches
+        sharded = [numels[name] for name, u in units.items() if u["group"] > 1]
+        replicas = p.dp_replicate if p.hsdp_enabled else 1  # HSDP all-reduces the shards across replicas
+        return _kinds(
+            all_gather=gathers * FP32 * sum(held for held, _ in sharded),
+            reduce_scatter=FP32 * sum(whole for _, whole in sharded),
+            all_reduce=FP32 * sum(held for held, _ in sharded) * (replicas > 1),
+        )
+    if p.replicate_enabled:
+        return _kinds(all_reduce=FP32 * sum(numels[name][0] for name, u in units.items() if u["group"] > 1))
+    return _kinds()
+
+
+def pp_bytes(recipe, part: Part) -> dict[str, int]:
+    """Per step: each microbatch's fp32 residual stream sent from each of the rank's stages
+    to the next stage and its gradient to the previous one, where that stage is on another
+    rank (schedule_model.sends_per_microbatch)."""
+    z = sizes(recipe)
+    sends = sends_per_microbatch(recipe.parallelism, part.rank)
+    return _kinds(send_recv=sends * recipe.num_microbatches * z.seq_tokens * z.hidden * FP32)
+
+
+def cp_bytes(recipe, layers: list[int], backend: str) -> dict[str, int]:
+    """Per step: each attention all-gathers its k and v (again under recompute); backward
+    reduce-scatters their gradients (gloo: all-reduces them). MoE layers all-reduce their
+    routing sums (2E + 1 floats) forward and backward."""
+    p, z, m = recipe.parallelism, sizes(recipe), recipe.model
+    if not p.cp_enabled:
+        return _kinds()
+    forwards = 2 if replays_forward(recipe) else 1
+    kv = 2 * z.tokens * z.kv_width * z.compute
+    grads = 2 * z.kv_tokens * z.kv_width * z.compute
+    stats = (2 * m.num_local_experts + 1) * FP32 * _moe_layers(recipe, layers) * (forwards + 1)
+    bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"
+    per_micro = {"all_gather": forwards * kv * len(layers), bwd_kind: grads * len(layers)}
+    per_micro["all_reduce"] = per_micro.get("all_reduce", 0) + stats
+    return _kinds(**{k: n * recipe.num_microbatches for k, n in per_micro.items()})
+
+
+def ep_bytes(recipe, layers: list[int]) -> dict[str, int]:
+    """Per step, expected under uniform routing: per MoE layer and forward the int64 token
+    counts (E), the routed tokens out (fp32) and back (compute dtype); backward the same
+    two ways for the gradients."""
+    p, z, m = recipe.parallelism, sizes(recipe), recipe.model
+    if not p.ep_enabled:
+        return _kinds()
+    forwards = 2 if replays_forward(recipe) else 1
+    rows = z.tokens * m.num_experts_per_tok * z.hidden
+    fwd = m.num_local_experts * 8 + rows * (FP32 + z.compute)
+    bwd = rows * (z.compute + FP32)
+    return _kinds(all_to_all=(forwards * fwd + bwd) * _moe_layers(recipe, layers) * recipe.num_microbatches)
+
+
+def world_bytes(recipe) -> dict[str, int]:
+    """The step's one world all-reduce: loss, squared grad norm, aux loss, tokens per expert."""
+    return _kinds(all_reduce=(3 + recipe.model.num_local_experts) * FP32)
+
+
+def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, int]]]:
+    """Per pp rank: {dim: {kind: bytes, "total": bytes}} each rank with that pp coordinate
+    hands to collectives in one steady-state step. backend: "gloo" or "nccl" (default: from
+    training.device; cp's backward differs). This is the count tests compare with
+    tests/dist_scripts/comm_bytes.py."""
+    backend = backend or ("gloo" if recipe.training.device == "cpu" else "nccl")
+    out = []
+    for part, units in zip(rank_parts(recipe), stage_units(recipe)):
+        out.append(
+            {
+                "tp": tp_bytes(recipe, part),
+                "dp": dp_bytes(recipe, units),
+                "pp": pp_bytes(recipe, part),
+                "cp": cp_bytes(recipe, part.layers, backend),
+                "ep": ep_bytes(recipe, part.layers),
+                "world": world_bytes(recipe),
+            }
+        )
+    return out

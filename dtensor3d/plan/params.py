@@ -1,0 +1,159 @@
+"""The estimate's first part: each rank's parameters, as the code cuts them (tp by the plan in
+parallel/tensor.py, experts over ep, FSDP2's dim-0 chunks), the pipeline parts a rank holds, and
+the sizes the activation and communication models read. Pure Python (see plan/estimate.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config.schema import stage_layers
+from .schedule_model import rank_stages, stage_rank
+from .shapes import layer_of, param_shapes, tp_dim
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+COMM_DIMS = ("tp", "dp", "pp", "cp", "ep", "world")
+FP32 = 4
+
+
+# -- parameters -------------------------------------------------------------------------
+
+
+def _local_shape(recipe, name: str, shape: tuple[int, ...]) -> list[int]:
+    """The shape of this parameter's tp / ep piece (before FSDP)."""
+    p = recipe.parallelism
+    shape = list(shape)
+    dim = tp_dim(name)
+    if p.tp_enabled and dim is not None:
+        shape[dim] //= p.tp
+    if p.ep_enabled and ".experts." in name:
+        shape[0] //= p.ep
+    return shape
+
+
+def _unit_of(name: str) -> str:
+    """The FSDP unit a parameter belongs to: a layer's experts, a layer, or the root."""
+    layer = layer_of(name)
+    if layer is None:
+        return "root"
+    return f"layer {layer} experts" if ".experts." in name else f"layer {layer}"
+
+
+def virtual_layers(recipe) -> list[range]:
+    """The decoder layers of every global pipeline stage (pp x stages_per_rank of them:
+    balanced, or `pp_layers` with one stage per rank), as parallel/pipeline.split_stage cuts."""
+    p, m = recipe.parallelism, recipe.model
+    if not p.pp_enabled:
+        return [range(m.num_hidden_layers)]
+    return stage_layers(m.num_hidden_layers, p.pp_stages, p.pp_layers if p.stages_per_rank == 1 else None)
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one pipeline rank holds: its global stages (in its schedule's order), each
+    stage's decoder layers, and whether it holds the first stage (the embedding) and the
+    last (final norm, head, loss)."""
+
+    rank: int
+    stages: tuple[int, ...]
+    stage_layers: tuple[range, ...]
+    first: bool
+    last: bool
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(i for r in self.stage_layers for i in r)
+
+
+def rank_parts(recipe) -> list[Part]:
+    """One Part per pp rank (interleaved_1f1b: stages r, r + pp, ...; zbv, dualpipev: r and 2 pp - 1 - r)."""
+    p, layers = recipe.parallelism, virtual_layers(recipe)
+    parts = []
+    for rank in range(p.pp):
+        stages = tuple(rank_stages(p, rank))
+        parts.append(Part(rank, stages, tuple(layers[s] for s in stages), 0 in stages, len(layers) - 1 in stages))
+    return parts
+
+
+def param_table(recipe) -> dict[str, dict]:
+    """name -> {"stage", "pp_stage", "unit", "group", "shape"} for every parameter of the
+    model: the pp rank that holds it ("stage", as plan's rows) and its global pipeline stage,
+    its FSDP unit (the root: embedding, final norm, head; each layer; each layer's experts),
+    that unit's FSDP group size and the parameter's tp / ep-local shape."""
+    p, m = recipe.parallelism, recipe.model
+    layers = virtual_layers(recipe)
+    shard = (p.dp_shard if p.hsdp_enabled else p.dp) * p.cp  # hybrid: FSDP within dp_shard
+    out = {}
+    for name, shape in param_shapes(m).items():
+        layer = layer_of(name)
+        if layer is not None:
+            stage = next(i for i, r in enumerate(layers) if layer in r)
+        else:
+            stage = 0 if name.startswith("model.embed_tokens") else len(layers) - 1
+        unit = _unit_of(name)
+        group = shard if unit.endswith("experts") else p.ep * shard
+        row = {"stage": stage_rank(p, stage), "pp_stage": stage, "unit": unit, "group": group}
+        out[name] = row | {"shape": _local_shape(recipe, name, shape)}
+    return out
+
+
+def stage_units(recipe) -> list[dict[str, dict]]:
+    """Per pp rank: {unit: {"group": FSDP group size, "shapes": [tp/ep-local shapes]}}."""
+    stages: list[dict[str, dict]] = [{} for _ in range(recipe.parallelism.pp)]
+    for row in param_table(recipe).values():
+        entry = stages[row["stage"]].setdefault(row["unit"], {"group": row["group"], "shapes": []})
+        entry["shapes"].append(row["shape"])
+    return stages
+
+
+def shard_numel(shape: list[int], group: int) -> int:
+    """Elements of FSDP2's dim-0 chunk on rank 0 (the largest; every rank's padded size)."""
+    rows = -(-shape[0] // group) if shape else 1
+    return rows * math.prod(shape[1:])
+
+
+def unit_numels(recipe, units: dict[str, dict]) -> dict[str, tuple[int, int]]:
+    """unit -> (elements rank 0 holds, elements FSDP gathers: padded, whole unit)."""
+    fsdp = recipe.parallelism.fsdp_enabled
+    out = {}
+    for unit, u in units.items():
+        n = u["group"] if fsdp else 1
+        held = sum(shard_numel(s, n) for s in u["shapes"])
+        out[unit] = (held, held * n)
+    return out
+
+
+# -- sizes every formula below uses ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Per-rank sizes of one microbatch on one rank."""
+
+    tokens: int  # tokens of a microbatch on this rank: micro_batch_size * sequence_length / cp
+    seq_tokens: int  # tokens of the residual stream (tokens / tp under sequence parallelism)
+    kv_tokens: int  # tokens whose keys and values attention keeps (the whole sequence under cp)
+    hidden: int
+    q_width: int  # local query (and attention output) width: heads / tp * head_dim
+    kv_width: int  # local key / value width
+    inter: int  # local feed-forward width
+    vocab: int  # local vocabulary (the head's logits)
+    heads: int  # local query heads
+    compute: int  # bytes of a matmul output: 2 under bf16 autocast, 4 in fp32
+
+
+def sizes(recipe) -> Sizes:
+    m, p, t = recipe.model, recipe.parallelism, recipe.training
+    tokens = t.micro_batch_size * t.sequence_length // p.cp
+    return Sizes(
+        tokens=tokens,
+        seq_tokens=tokens // p.tp if p.sequence_parallel else tokens,
+        kv_tokens=t.micro_batch_size * t.sequence_length,
+        hidden=m.hidden_size,
+        q_width=m.num_attention_heads // p.tp * m.head_dim,
+        kv_width=m.num_key_value_heads // p.tp * m.head_dim,
+        inter=m.intermediate_size // p.tp,
+        vocab=m.vocab_size // p.tp,
+        heads=m.num_attention_heads // p.tp,
+        compute=2 if t.dtype == "bfloat16" else FP32,
+    )
