@@ -76,6 +76,10 @@ def reference(parity_reference, tmp_path_factory):
 # reshard, export). "{root}" is the run's own directory (see shared_run).
 MESH_822 = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"]
 SAVES_AT_5_AND_10 = ["checkpoint.dir={root}/ck", "checkpoint.interval=5"]
+# Qwen2's q/k/v biases at dp2 x tp2 in the short form, saving at steps 3 and 6: one run serves
+# test_parity[qwen2_biases_dp2_tp2] and test_checkpoint's resume of it on another mesh.
+QWEN2_DP2_TP2 = ["model.family=qwen2", "parallelism.dp=2", "parallelism.tp=2"]
+SAVES_AT_3_AND_6 = ["checkpoint.dir={root}/ck", "checkpoint.interval=3"]
 
 
 @pytest.fixture(scope="session")
@@ -120,6 +124,8 @@ QUICK_FILES = {
     "test_data.py",
     "test_checkpoint_slices.py",
     "test_nanotron.py",
+    "test_families.py",
+    "test_family_recipes.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {

@@ -36,6 +36,14 @@ TP_DIM = {
     "mlp.down_proj.weight": 1,
     "model.embed_tokens.weight": 0,
     "lm_head.weight": 0,
+    # column-parallel biases split with their rows; row-parallel ones (o, down) are replicated
+    "self_attn.q_proj.bias": 0,
+    "self_attn.k_proj.bias": 0,
+    "self_attn.v_proj.bias": 0,
+    "mlp.gate_proj.bias": 0,
+    "mlp.up_proj.bias": 0,
+    "self_attn.o_proj.bias": None,
+    "mlp.down_proj.bias": None,
 }
 
 
@@ -82,6 +90,8 @@ def expected_splits(name: str, p) -> dict[str, int | None]:
         splits["tp"] = TP_DIM[key]
     if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" and name.endswith("norm.weight"):
         splits["tp"] = None  # sequence parallelism: norms are tp DTensors, replicated
+    if p.tp > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        splits["tp"] = None  # per-head norms: replicated tp DTensors at either tp mode
     return splits
 
 

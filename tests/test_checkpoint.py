@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import MESH_822, PARITY, ROOT, SAVES_AT_5_AND_10, train_metrics
+from conftest import MESH_822, PARITY, QWEN2_DP2_TP2, ROOT, SAVES_AT_3_AND_6, SAVES_AT_5_AND_10, short, train_metrics
 from lr_schedule import scheduled_lr
 from safetensors.torch import load_file
 
@@ -213,6 +213,15 @@ def test_reshard_fsdp_to_replicate(run_822, tmp_path):
         ["parallelism.dp=2", "parallelism.dp_mode=replicate", f"checkpoint.resume={root / 'ck' / 'step_00000005'}"],
     )
     assert_close_run(got, records[5:])
+
+
+def test_qwen2_biases_resume_on_another_mesh(shared_run, tmp_path):
+    """Qwen2 (q/k/v biases split over tp) saved at dp2 x tp2 (test_parity's run), resumed at tp 2 alone."""
+    records, root = shared_run(4, short(QWEN2_DP2_TP2) + ["logging.layout=true"] + SAVES_AT_3_AND_6)
+    step = root / "ck" / "step_00000003"
+    assert any(n.endswith("q_proj.bias") for n in tensors(step)), "the biases are saved"
+    got = train_metrics(tmp_path, 2, short(["model.family=qwen2", "parallelism.tp=2", f"checkpoint.resume={step}"]))
+    assert_close_run(got, records[3:])
 
 
 # ---------------------------------------------------------------- atomicity, finding the newest

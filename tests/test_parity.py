@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from conftest import MESH_822, PARITY, ROOT, SAVES_AT_5_AND_10, short, train_metrics
+from conftest import MESH_822, PARITY, QWEN2_DP2_TP2, ROOT, SAVES_AT_3_AND_6, SAVES_AT_5_AND_10, short, train_metrics
 from lr_schedule import scheduled_lr
 from sharding import check_comm, check_layout
 
@@ -74,6 +74,9 @@ CONFIGS = {
         "original_max_position_embeddings: 8}",
         *("model.rope_theta=500000", "parallelism.cp=2", "parallelism.pp=2"),
     ],
+    # Qwen2's q/k/v biases (column-parallel, split with their rows) at dp 2 x tp 2; its
+    # checkpoints resume on another mesh in test_checkpoint.
+    "qwen2_biases_dp2_tp2": QWEN2_DP2_TP2,
 }
 
 
@@ -121,14 +124,15 @@ def assert_parity(got: list[dict], ref: list[dict], lrs: list[float], keys=("los
 
 # Configurations whose run test_checkpoint also uses (conftest.shared_run): the same run, saving
 # checkpoints as it goes (saving leaves training bitwise unchanged: test_checkpoint).
-SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10}
+SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10, "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6}
+LONG = {"dp2_tp2_pp2"}  # keeps the recipe's 10 steps (its checkpoints at 5 and 10)
 assert CONFIGS["dp2_tp2_pp2"] == MESH_822
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_parity(name, reference, shared_run, record_property):
     # The shared run keeps the 10-step recipe (its checkpoints); the others run its short form.
-    overrides = CONFIGS[name] if name in SHARED else short(CONFIGS[name])
+    overrides = CONFIGS[name] if name in LONG else short(CONFIGS[name])
     got, root = shared_run(world(overrides), overrides + ["logging.layout=true"] + SHARED.get(name, []))
     # Every rank holds every parameter as the plans promise (the parallelism is really on).
     check_layout(root / "run", load_recipe(PARITY, overrides))
