@@ -108,3 +108,19 @@ def test_greedy_generate_equals_transformers(family):
         with torch.no_grad():
             theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
         assert got == theirs[0, len(prompt) :].tolist()
+
+
+def test_mistral_window_refused_where_it_would_matter(tmp_path, capsys):
+    """A Mistral window imports (full attention is exact inside it); generation past it is
+    one error line (a recipe's window shorter than its sequence: test_recipe_errors)."""
+    from dtensor3d.datasets.tokenizer import byte_tokenizer
+
+    config = transformers.MistralConfig(**{**BASE, "vocab_size": 264}, sliding_window=32)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0
+    byte_tokenizer().save(str(tmp_path / "byte.json"))
+    capsys.readouterr()
+    argv = ["generate", str(tmp_path / "ck"), "--prompt", "hello", "--max-new-tokens", "40"]
+    assert main([*argv, "--tokenizer", str(tmp_path / "byte.json")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "sliding_window=32" in lines[0], lines
