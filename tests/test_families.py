@@ -124,3 +124,17 @@ def test_mistral_window_refused_where_it_would_matter(tmp_path, capsys):
     assert main([*argv, "--tokenizer", str(tmp_path / "byte.json")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "sliding_window=32" in lines[0], lines
+
+
+def test_rope_read_in_both_spellings():
+    """transformers 5's rope_parameters and 4's rope_theta + rope_scaling (with 4's `type`) give one config."""
+    from dtensor3d.checkpoint.hf import config_from_hf, hf_config
+
+    v5 = transformers.LlamaConfig(**BASE, rope_parameters={**LLAMA3_ROPE, "rope_theta": 123456.0}).to_dict()
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4.update(rope_theta=123456.0, rope_scaling={**LLAMA3_ROPE, "type": "llama3"})
+    del v4["rope_scaling"]["rope_type"]
+    ours = config_from_hf(v5, "v5")
+    assert ours == config_from_hf(v4, "v4")
+    assert ours.rope_theta == 123456.0 and ours.rope_scaling == LLAMA3_ROPE
+    assert hf_config(ours)["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 123456.0}
