@@ -70,6 +70,8 @@ QUICK_FILES = {
     "test_data.py",
     "test_checkpoint_slices.py",
     "test_nanotron.py",
+    "test_families.py",
+    "test_family_recipes.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {

@@ -101,6 +101,10 @@ def short(overrides: list[str], keep: tuple[str, ...] = ()) -> list[str]:
 # reshard, export). "{root}" is the run's own directory (see shared_run).
 MESH_822 = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"]
 SAVES_AT_5_AND_10 = ["checkpoint.dir={root}/ck", "checkpoint.interval=5"]
+# Qwen2's q/k/v biases at dp2 x tp2 in the short form, saving at steps 3 and 6: one run serves
+# test_parity[qwen2_biases_dp2_tp2] and test_checkpoint's resume of it on another mesh.
+QWEN2_DP2_TP2 = ["model.family=qwen2", "parallelism.dp=2", "parallelism.tp=2"]
+SAVES_AT_3_AND_6 = ["checkpoint.dir={root}/ck", "checkpoint.interval=3"]
 
 
 def world(overrides: list[str]) -> int:
@@ -216,6 +220,14 @@ TP_DIM = {
     "mlp.down_proj.weight": 1,
     "model.embed_tokens.weight": 0,
     "lm_head.weight": 0,
+    # column-parallel biases split with their rows; row-parallel ones (o, down) are replicated
+    "self_attn.q_proj.bias": 0,
+    "self_attn.k_proj.bias": 0,
+    "self_attn.v_proj.bias": 0,
+    "mlp.gate_proj.bias": 0,
+    "mlp.up_proj.bias": 0,
+    "self_attn.o_proj.bias": None,
+    "mlp.down_proj.bias": None,
 }
 
 
@@ -262,6 +274,8 @@ def expected_splits(name: str, p) -> dict[str, int | None]:
         splits["tp"] = TP_DIM[key]
     if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" and name.endswith("norm.weight"):
         splits["tp"] = None  # sequence parallelism: norms are tp DTensors, replicated
+    if p.tp > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        splits["tp"] = None  # per-head norms: replicated tp DTensors at either tp mode
     return splits
 
 

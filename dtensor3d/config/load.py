@@ -28,7 +28,7 @@ def _kind(tp: Any) -> str:
         return "str"
     if tp in (int, float, bool):
         return tp.__name__
-    return {tuple[float, float]: "tuple[float,float]", tuple[int, ...]: "tuple[int,...]"}[tp]
+    return {tuple[float, float]: "tuple[float,float]", tuple[int, ...]: "tuple[int,...]", dict: "dict"}[tp]
 
 
 def _coerce(where: str, value: Any, tp: Any) -> Any:
@@ -56,6 +56,8 @@ def _coerce(where: str, value: Any, tp: Any) -> Any:
         return value
     if ann == "str" and isinstance(value, str):
         return value
+    if ann == "dict" and isinstance(value, dict):
+        return {str(k): v for k, v in value.items()}
     if ann == "tuple[float,float]" and isinstance(value, (list, tuple)) and len(value) == 2:
         return tuple(_coerce(where, v, float) for v in value)
     if ann == "tuple[int,...]" and isinstance(value, (list, tuple)):
@@ -66,7 +68,11 @@ def _coerce(where: str, value: Any, tp: Any) -> Any:
 def _wrong_type(where: str, value: Any, ann: str, optional: bool) -> RecipeError:
     """The one line for a value of the wrong type (an empty value and a non-integer number
     each get their own words: YAML 1.1 reads `1e9` as a string)."""
-    expected = {"tuple[float,float]": "a list of two numbers", "tuple[int,...]": "a list of integers"}
+    expected = {
+        "tuple[float,float]": "a list of two numbers",
+        "tuple[int,...]": "a list of integers",
+        "dict": "a mapping",
+    }
     want = expected.get(ann, ann) + (" or null" if optional else "")
     if value == "":
         return RecipeError(f"{where}='' is the empty string; expected {want}")

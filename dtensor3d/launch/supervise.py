@@ -284,8 +284,9 @@ def launch(args, stopping: threading.Event):
     except RendezvousTimeoutError:  # a restart waited training.timeout_s for a node that never came back
         lost = f" ({agent.lost})" if agent.lost else ""
         raise NodesError(
-            f"the job failed and a node did not rejoin within training.timeout_s={rdzv.get('join_timeout')} s"
-            f"{lost}; the newest complete checkpoint is kept: start every node again to resume"
+            f"a node did not rejoin within training.timeout_s={rdzv.get('join_timeout')} s{lost}"
+            f"{failed_first(agent)}; the newest complete checkpoint is kept: start every node again to resume",
+            status=1,
         ) from None
     finally:
         spec.rdzv_handler.shutdown()  # closes the rendezvous: other nodes' agents end too

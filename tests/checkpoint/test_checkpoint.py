@@ -22,13 +22,16 @@ import transformers
 from helpers import (
     MESH_822,
     PARITY,
+    QWEN2_DP2_TP2,
     ROOT,
+    SAVES_AT_3_AND_6,
     SAVES_AT_5_AND_10,
     clean_env,
     cli,
     cli_process,
     one_error_line,
     scheduled_lr,
+    short,
     train_metrics,
     tree_digest,
 )
@@ -188,6 +191,15 @@ def test_reshard_fsdp_to_replicate(run_822, tmp_path):
         ["parallelism.dp=2", "parallelism.dp_mode=replicate", f"checkpoint.resume={root / 'ck' / 'step_00000005'}"],
     )
     assert_close_run(got, records[5:])
+
+
+def test_qwen2_biases_resume_on_another_mesh(shared_run, tmp_path):
+    """Qwen2 (q/k/v biases split over tp) saved at dp2 x tp2 (test_parity's run), resumed at tp 2 alone."""
+    records, root = shared_run(4, short(QWEN2_DP2_TP2) + ["logging.layout=true"] + SAVES_AT_3_AND_6)
+    step = root / "ck" / "step_00000003"
+    assert any(n.endswith("q_proj.bias") for n in tensors(step)), "the biases are saved"
+    got = train_metrics(tmp_path, 2, short(["model.family=qwen2", "parallelism.tp=2", f"checkpoint.resume={step}"]))
+    assert_close_run(got, records[3:])
 
 
 # ---------------------------------------------------------------- atomicity, finding the newest
@@ -570,13 +582,12 @@ def test_init_from_hf_checked_at_the_door(hf_model, tmp_path):
 @pytest.mark.parametrize(
     "key,value,expect",
     [
-        ("attention_bias", True, "biases"),
-        ("mlp_bias", True, "biases"),
         ("hidden_act", "gelu", "silu"),
-        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "RoPE"),
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, "RoPE"),
-        ("head_dim", 16, "head_dim"),
-        ("model_type", "mistral", "Llama"),
+        ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic' is not supported; supported"),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "longrope"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
+        ("rope_parameters", {"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("model_type", "gpt2", "supported model_type: llama, qwen2, qwen3, mistral, mixtral"),
         ("attention_dropout", 0.1, "dropout"),
     ],
 )

@@ -104,6 +104,26 @@ CASES = [
     Case("ep-without-experts", ("ep=2", "num_local_experts=0"), edit={"parallelism.expert_parallel_size": 2}),
     Case("experts-negative", ("num_local_experts", "-1"), edit={"model.num_local_experts": -1}),
     Case("rms-eps-negative", ("rms_norm_eps", "-1"), edit={"model.rms_norm_eps": -1.0}),
+    # -- model families (config/families.py): key, value and what is supported, in one line
+    Case(
+        "family-unknown",
+        ("model.family='gpt2'", "llama, qwen2, qwen3, mistral, mixtral"),
+        edit={"model.family": "gpt2"},
+    ),
+    Case("hidden-act-gelu", ("model.hidden_act='gelu'", "valid: silu"), edit={"model.hidden_act": "gelu"}),
+    Case(
+        "rope-type-dynamic",
+        ("model.rope_scaling", "rope_type='dynamic'", "default, linear, llama3, yarn"),
+        edit={"model.rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    ),
+    Case(
+        "sliding-window-short",
+        ("model.sliding_window=32", "sequence_length=64"),
+        edit={"model.family": "mistral", "model.sliding_window": 32},
+    ),
+    Case(
+        "mlp-bias-qwen2", ("model.mlp_bias", "'qwen2'", "llama"), edit={"model.family": "qwen2", "model.mlp_bias": True}
+    ),
     # -- batch and sequence against dp / pp / cp / tp
     Case(
         "gbs-not-div", ("global_batch_size=12", "micro_batch_size*dp*ep", "8"), edit={"training.global_batch_size": 12}

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT
 
 from dtensor3d.__main__ import main
 
@@ -173,6 +176,30 @@ def test_out_overlapping_an_input_is_refused_and_nothing_is_touched(tmp_path, ca
             lines = capsys.readouterr().err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (args, lines)
             assert _tree(tmp_path) == before, args
+
+
+def test_issue_commands_as_a_user_runs_them(tmp_path):
+    """The issue's reproductions as real processes (`python -m dtensor3d prepare-data`): --out
+    the input directory or its parent with --overwrite, and --out under /proc or /sys: exit 2,
+    one `error:` line, no traceback, the input tree byte for byte what it was."""
+    src = tmp_path / "par" / "raw"
+    src.mkdir(parents=True)
+    for i in (1, 2, 3):
+        (src / f"d{i}.txt").write_text(f"doc {i}\n")
+    before = _tree(tmp_path)
+    cases = [
+        (src, "overlaps the input"),
+        (tmp_path / "par", "overlaps the input"),
+        ("/proc/dtensor3d-o", "lies under /proc"),
+        ("/sys/dtensor3d-o", "lies under /proc"),
+    ]
+    for out, needle in cases:
+        cmd = [sys.executable, "-m", "dtensor3d", "prepare-data", str(src), "--out", str(out)]
+        proc = subprocess.run([*cmd, "--tokenizer", "byte", "--overwrite"], cwd=ROOT, capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (out, proc.stderr)
+        assert needle in lines[0] and "Traceback" not in proc.stdout + proc.stderr, (out, lines)
+        assert _tree(tmp_path) == before, out
 
 
 def test_latin1_text_is_kept_and_every_skipped_file_is_named(tmp_path, capsys):

@@ -67,6 +67,16 @@ CONFIGS = {
     # llama_cosine_warmup2 in bf16 (its twin: test_bf16_is_bf16).
     "llama_bf16": (PARITY, [*SMALL, "training.micro_batch_size=4", "training.dtype=bfloat16"]),
     "mixtral_cosine_aux": (MOE, [*SMALL, "training.micro_batch_size=4"]),
+    # Qwen3 (transformers' Qwen3ForCausalLM): per-head q/k norms, head_dim 24 (not 64 / 8),
+    # q/k/v/o biases (trained from zero), rope_theta 1e6.
+    "qwen3_biases_theta1e6": (
+        PARITY,
+        [
+            *SMALL,
+            *("model.family=qwen3", "model.head_dim=24", "model.attention_bias=true", "model.rope_theta=1000000"),
+            "training.micro_batch_size=4",
+        ],
+    ),
 }
 
 
@@ -132,6 +142,9 @@ def hf_model(recipe, where):
             transformers.MixtralConfig(**common, **moe, router_jitter_noise=0.0),
             transformers.MixtralForCausalLM,
         )
+    elif m.family == "qwen3":
+        extra = dict(head_dim=m.head_dim, attention_bias=m.attention_bias)
+        config, cls = transformers.Qwen3Config(**common, **extra), transformers.Qwen3ForCausalLM
     else:
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     config.save_pretrained(where)

@@ -16,7 +16,9 @@ import pytest
 from helpers import (
     MESH_822,
     PARITY,
+    QWEN2_DP2_TP2,
     ROOT,
+    SAVES_AT_3_AND_6,
     SAVES_AT_5_AND_10,
     assert_parity,
     check_comm,
@@ -70,19 +72,35 @@ CONFIGS = {
         "parallelism.tp=2",
         "parallelism.tp_mode=REDUCE_SCATTER",
     ],
+    # Model families (config/families.py): Qwen3's per-head q/k norms and head_dim 24 (not
+    # 64 / 8) at tp 2 (sequence parallel) x cp 2; Llama 3.1's RoPE scaling (past the
+    # original 8 positions) at cp 2 x pp 2, the zig-zag chunks' global positions scaled.
+    "qwen3_tp2_cp2_reduce_scatter": [
+        *("model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000"),
+        *("parallelism.tp=2", "parallelism.cp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
+    ],
+    "llama3_rope_cp2_pp2": [
+        "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+        "original_max_position_embeddings: 8}",
+        *("model.rope_theta=500000", "parallelism.cp=2", "parallelism.pp=2"),
+    ],
+    # Qwen2's q/k/v biases (column-parallel, split with their rows) at dp 2 x tp 2; its
+    # checkpoints resume on another mesh in test_checkpoint.
+    "qwen2_biases_dp2_tp2": QWEN2_DP2_TP2,
 }
 
 
 # Configurations whose run test_checkpoint also uses (conftest.shared_run): the same run, saving
 # checkpoints as it goes (saving leaves training bitwise unchanged: test_checkpoint).
-SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10}
+SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10, "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6}
+LONG = {"dp2_tp2_pp2"}  # keeps the recipe's 10 steps (its checkpoints at 5 and 10)
 assert CONFIGS["dp2_tp2_pp2"] == MESH_822
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_parity(name, reference, shared_run, record_property):
     # The shared run keeps the 10-step recipe (its checkpoints); the others run its short form.
-    overrides = CONFIGS[name] if name in SHARED else short(CONFIGS[name])
+    overrides = CONFIGS[name] if name in LONG else short(CONFIGS[name])
     got, root = shared_run(world(overrides), overrides + ["logging.layout=true"] + SHARED.get(name, []))
     # Every rank holds every parameter as the plans promise (the parallelism is really on).
     check_layout(root / "run", load_recipe(PARITY, overrides))

@@ -71,6 +71,9 @@ def model_configs():
         "moe": moe,
         "moe_shared_some_layers": dataclasses.replace(moe, shared_expert_intermediate_size=48, moe_layers=(1, 3)),
         "gqa_wide": dataclasses.replace(dense, num_attention_heads=4, num_key_value_heads=1, intermediate_size=176),
+        "qwen2": dataclasses.replace(dense, family="qwen2"),
+        "qwen3_head_dim": dataclasses.replace(dense, family="qwen3", head_dim=24, attention_bias=True),
+        "llama_biases": dataclasses.replace(dense, attention_bias=True, mlp_bias=True),
     }
 
 
@@ -83,16 +86,27 @@ def test_param_shapes_equal_meta_model(name):
     assert real == list(param_shapes(cfg).items())
 
 
-def test_tp_dim_reads_the_tp_plan():
-    """Colwise: a Linear's dim 0; Rowwise: a Linear's dim 1, an Embedding's dim 0; a module
-    absent from the plan (norms under ALL_REDUCE, router, experts) is whole."""
+# split tensors: embedding, head; q/k/v/o of 4 layers; gate/up/down of the dense ones; the
+# column-parallel biases (q/k/v, gate/up)
+SPLIT = {
+    "moe_shared_some_layers": 2 + 2 * 4 + 2 * 7,
+    "llama_biases": 2 + 4 * (7 + 5),
+    "qwen3_head_dim": 2 + 4 * (7 + 3),
+}
+
+
+@pytest.mark.parametrize("config", list(SPLIT))
+def test_tp_dim_reads_the_tp_plan(config):
+    """Colwise: a Linear's dim 0 (and its bias'); Rowwise: a Linear's dim 1, an Embedding's
+    dim 0; a module absent from the plan (norms under ALL_REDUCE, router, experts), a
+    row-parallel bias and a per-head q/k norm are whole."""
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from dtensor3d.models import build_on_meta
     from dtensor3d.parallel.tensor import tp_plan
 
-    model = build_on_meta(model_configs()["moe_shared_some_layers"])
+    model = build_on_meta(model_configs()[config])
     checked = 0
     for name, _ in model.named_parameters():
         path = name.rsplit(".", 1)[0]
@@ -103,13 +117,15 @@ def test_tp_dim_reads_the_tp_plan():
         else:
             style = tp_plan(False)[0].get(path)
         expected = None
-        if isinstance(style, ColwiseParallel):
+        if name.endswith(".bias"):  # a column-parallel bias is split like its rows, a row-parallel one whole
+            expected = 0 if isinstance(style, ColwiseParallel) else None
+        elif isinstance(style, ColwiseParallel):
             expected = 1 if isinstance(module, nn.Embedding) else 0
         elif isinstance(style, RowwiseParallel):
             expected = 0 if isinstance(module, nn.Embedding) else 1
         assert tp_dim(name) == expected, name
         checked += expected is not None
-    assert checked == 2 + 2 * 4 + 2 * 7  # embedding, head; q/k/v/o of 4 layers; gate/up/down of the 2 dense ones
+    assert checked == SPLIT[config]
 
 
 # -- --simulate against the estimate -----------------------------------------------------

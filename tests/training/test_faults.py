@@ -422,10 +422,9 @@ def test_save_out_of_space_keeps_the_previous_checkpoint(tmp_path):
 # ---------------------------------------------------------------- two nodes on one machine
 
 
-def two_nodes(jobs, tmp: Path, per_node: list[list[str]], port: int | None = None) -> list[Job]:
+def two_nodes(jobs, tmp: Path, per_node: list[list[str]], **extra_env: str) -> list[Job]:
     """launch.sh twice as two nodes of one job (NNODES=2, NODE_RANK 0 and 1, one MASTER_PORT)."""
-    port = port or free_port()
-    common = dict(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    common = dict(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **extra_env)
     return [jobs(tmp, f"node{n}", [*BASE, *args], NODE_RANK=str(n), **common) for n, args in enumerate(per_node)]
 
 
@@ -435,8 +434,9 @@ def test_a_killed_node_takes_its_ranks_and_the_other_node_names_it(tmp_path, job
     its rank dies with its agent (no orphan training unsupervised), the other node's rank fails
     in its next collective, and that node ends with one line naming the lost node, no `done:`
     line, no traceback."""
-    args = ["training.steps=100000", "training.timeout_s=20", f"logging.run_dir={tmp_path / 'run'}"]
-    nodes = two_nodes(jobs, tmp_path, [args, args])
+    args = ["training.steps=100000", "training.timeout_s=15", f"logging.run_dir={tmp_path / 'run'}"]
+    restarts = "1" if lost == 1 else "0"  # node 0 restarts, waits timeout_s for node 1 to rejoin, then ends
+    nodes = two_nodes(jobs, tmp_path, [args, args], MAX_RESTARTS=restarts)
     victim, survivor = nodes[lost], nodes[1 - lost]
     wait_until(at_step(tmp_path / "run", 2), survivor, "step 2")
     orphan = wait_until(lambda: victim.workers().get(lost), victim, f"node {lost}'s rank")
@@ -444,8 +444,11 @@ def test_a_killed_node_takes_its_ranks_and_the_other_node_names_it(tmp_path, job
     wait_until(lambda: _state(orphan) in ("", "Z"), None, f"node {lost}'s rank to die", 10)
     assert survivor.wait(60) == 1, survivor.text()[-3000:]
     lines = error_lines(survivor.text())
-    assert len(lines) == 1 and lines[0].startswith(f"error: the job failed: node {lost} "), survivor.text()[-3000:]
-    assert "was lost" in lines[0] and "done:" not in survivor.text()
+    assert len(lines) == 1 and lines[0].startswith("error: the job failed: "), survivor.text()[-3000:]
+    assert f"node {lost} " in lines[0] and "was lost" in lines[0] and "done:" not in survivor.text()
+    if restarts == "1":
+        assert "restarting (1 of MAX_RESTARTS=1): node 1 was lost;" in survivor.text(), survivor.text()[-3000:]
+        assert "a node did not rejoin within training.timeout_s=15 s (node 1 was lost)" in lines[0], lines
     no_traceback(survivor)
 
 
