@@ -32,7 +32,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError, write_error_file
+from ..errors import UserError, is_rank0, write_error_file
 from ..parallel.shards import local
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -286,7 +286,7 @@ class Guard:
             saved = None
             for hook in hooks:
                 saved = hook.on_signal(state) or saved
-        if dist.get_rank() == 0:
+        if is_rank0():
             print(preempted_line(name, state.step, saved, self.recipe.checkpoint.dir), flush=True)
         return True
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..checkpoint import checkpoint_due
 from ..datasets.sources import make_source
+from ..errors import is_rank0
 from ..parallel.comm import count_step
 from ..parallel.shards import write_layout
 from . import faults
@@ -104,7 +105,7 @@ class MetricsLogging(StepHook):
 
     def __init__(self, state):
         recipe, t = state.recipe, state.recipe.training
-        self.log = MetricsLog(recipe, enabled=dist.get_rank() == 0, resume=state.step)
+        self.log = MetricsLog(recipe, enabled=is_rank0(), resume=state.step)
         self.tokens_per_step = t.global_batch_size * t.sequence_length
         self.flops_per_token = flops_per_token(recipe.model, t.sequence_length)
         self.peak_flops = peak_flops(state.device)

@@ -26,6 +26,7 @@ from .. import checkpoint
 from ..config.lr import lr_at
 from ..config.schema import Recipe
 from ..datasets.sources import epoch_note, make_source
+from ..errors import is_rank0
 from ..mesh import build_mesh, init_distributed, mesh_coords, set_timeout
 from ..models import materialize
 from ..models.layers import init_std
@@ -135,7 +136,7 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
     total = _microbatches(state, inputs, targets)
     if state.recipe.training.compile and not state.compile_reported:
         state.compile_reported = True
-        if dist.get_rank() == 0:
+        if is_rank0():
             n = len(state.model.model.layers)
             print(f"compile: {compile_seconds():.1f} s compiling {n} decoder blocks on rank 0", flush=True)
     return total
@@ -211,7 +212,7 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
     """One step of the loop: the train step (under the guard and every hook's context), the
     non-finite check, then every hook's after_step. Returns the step's metrics."""
     recipe, start = state.recipe, time.perf_counter()
-    if dist.get_rank() == 0 and (note := epoch_note(source, recipe, state.step)):
+    if is_rank0() and (note := epoch_note(source, recipe, state.step)):
         print(note, flush=True)  # the sample order enters a new epoch in this step
     with guard.step(state), hooks.during_step(found, state):
         metrics = train_step(state, rank_batch(state, source, state.step))
@@ -234,7 +235,7 @@ def train(recipe: Recipe) -> list[dict]:
     if recipe.logging.layout:
         write_layout(state.model, state.coords, dist.get_rank(), recipe.logging.run_dir)
     source, log = make_source(recipe), next(h.log for h in found if isinstance(h, hooks.MetricsLogging))
-    if dist.get_rank() == 0:
+    if is_rank0():
         print(_banner(state), flush=True)
     try:
         while state.step < recipe.training.steps:
