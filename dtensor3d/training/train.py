@@ -9,7 +9,6 @@ What each parallel dimension does at step time lives in its own file under paral
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -29,11 +28,10 @@ from ..datasets.sources import epoch_note, make_source
 from ..errors import is_rank0
 from ..mesh import build_mesh, init_distributed, mesh_coords, set_timeout
 from ..models import materialize
-from ..models.layers import init_std
 from ..parallel import context, data, expert, pipeline, tensor
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
-from ..parallel.shards import copy_full_, local, write_layout
+from ..parallel.shards import init_weights, local, write_layout
 from . import faults, hooks
 from .optim import build_optimizer, clip_, grad_sq_partial, replication
 
@@ -70,23 +68,6 @@ def resolve_device(choice: str) -> str:
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return choice
-
-
-def param_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Topology-independent init: each full parameter is drawn from its own generator seeded
-    by (seed, name), on the CPU, then this rank keeps its slice. Same bits at any mesh."""
-    for name, p in model.named_parameters():
-        std = init_std(name)
-        if std is None:
-            full = torch.ones(p.shape)
-        else:
-            full = torch.randn(p.shape, generator=torch.Generator().manual_seed(param_seed(seed, name))) * std
-        copy_full_(p, full)
 
 
 def make_loss_fn(global_tokens: int) -> LossFn:

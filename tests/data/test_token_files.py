@@ -19,7 +19,7 @@ from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.models.llama import LlamaForCausalLM
 from dtensor3d.parallel.data import local_batch
-from dtensor3d.training.train import init_weights
+from dtensor3d.parallel.shards import init_weights
 
 SMALL = ["model.num_hidden_layers=1", "training.steps=3", "training.eval_every=0", "checkpoint.resume=none"]
 

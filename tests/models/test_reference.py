@@ -98,7 +98,13 @@ def switch_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def our_init():
     """Our topology-independent init function (its home module moves with refactors)."""
-    for module in ("dtensor3d.training.train", "dtensor3d.models", "dtensor3d.models.init", "dtensor3d.init"):
+    for module in (
+        "dtensor3d.parallel.shards",
+        "dtensor3d.training.train",
+        "dtensor3d.models",
+        "dtensor3d.models.init",
+        "dtensor3d.init",
+    ):
         with contextlib.suppress(ImportError):
             fn = getattr(importlib.import_module(module), "init_weights", None)
             if fn is not None:

@@ -19,9 +19,8 @@ from dtensor3d.models import build_on_meta, materialize
 from dtensor3d.models.layers import ModelHooks
 from dtensor3d.parallel.compile import CompileError, apply_compile
 from dtensor3d.parallel.data import apply_fsdp
-from dtensor3d.parallel.shards import local
+from dtensor3d.parallel.shards import init_weights, local
 from dtensor3d.plan.activations import kept_bytes
-from dtensor3d.training.train import init_weights
 
 RECIPE = load_recipe(PARITY)  # the parity model: 4 layers, hidden 64, 8 heads
 IDS = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(0))
