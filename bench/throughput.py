@@ -156,8 +156,8 @@ def memory_table() -> list[str]:
     of the bench model at world 1 for each recompute mode and dtype (bf16: autocast)."""
     from dtensor3d.models import build_on_meta, materialize
     from dtensor3d.models.layers import ModelHooks
+    from dtensor3d.parallel.shards import init_weights
     from dtensor3d.plan.activations import kept_bytes
-    from dtensor3d.training.train import init_weights
 
     recipe, lines = bench_recipe([], "cpu"), []
     t = recipe.training

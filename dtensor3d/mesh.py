@@ -130,6 +130,20 @@ def init_distributed(device_type: str, timeout_s: float | None = None):
     return device
 
 
+def set_timeout(seconds: float) -> None:
+    """Give every process group this rank belongs to (the world, the mesh axes and views) the
+    timeout (training.timeout_s): a collective that does not complete in time raises instead
+    of hanging (training/faults.py turns that into one line)."""
+    import contextlib
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        with contextlib.suppress(ValueError, RuntimeError, AssertionError):
+            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
 class ParallelContext:
     """nanotron's ParallelContext, backed by a DeviceMesh.
 

@@ -1,59 +1,16 @@
-import json
-import os
-import subprocess
-import sys
+"""The tests' fixtures (runs shared within a session) and the two tiers' table; the helpers
+themselves are in tests/helpers.py."""
+
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-PARITY = str(ROOT / "tests" / "recipes" / "parity.yaml")
-
-
-def torchrun(nproc: int, args: list[str], timeout: int = 600, fresh: bool = False) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=nproc ARGS` from the repo root, its ranks forked
-    from one interpreter that has imported torch (tests/fork_torchrun.py: torch's elastic agent
-    with a fork server; a rank's imports are most of a multi-rank test's time here); `fresh`:
-    torchrun itself, a new interpreter per rank."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    forked = [str(ROOT / "tests" / "fork_torchrun.py"), str(nproc)]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if fresh else forked
-    cmd = [sys.executable, *launcher, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
-
-
-def train_metrics(run_dir: Path, nproc: int, overrides: list[str], recipe: str = PARITY) -> list[dict]:
-    """Train `recipe` on nproc CPU ranks and return metrics.jsonl's records. Compiled runs
-    start fresh ranks: a forked pp2 x tp2 compiled run once hung in a gloo collective."""
-    fresh = "training.compile=true" in overrides
-    torchrun(nproc, ["-m", "dtensor3d", "train", recipe, f"logging.run_dir={run_dir}", *overrides], fresh=fresh)
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+from helpers import PARITY, train_metrics
 
 
 @pytest.fixture(scope="session")
 def parity_reference(tmp_path_factory):
     """The 1-process run of the parity recipe, computed once per session."""
     return train_metrics(tmp_path_factory.mktemp("ref"), 1, [])
-
-
-# The parity runs' short form: 6 steps (validation at 5 and at the last) of microbatches of
-# 2. A DTensor step's cost on CPU is per microbatch (its collectives and dispatch, not its
-# arithmetic), so this halves a run's steps; warmup, decay, clipping and evaluation are all
-# still inside. The 10-step recipe stays for the runs whose checkpoints other tests use.
-SHORT = ["training.steps=6", "training.micro_batch_size=2"]
-
-
-def short(overrides: list[str], keep: tuple[str, ...] = ()) -> list[str]:
-    """SHORT's keys under `overrides` (a key the overrides set wins); `keep`: SHORT's keys to
-    leave as the recipe has them (e.g. micro_batch_size where a schedule needs microbatches)."""
-    given = {o.split("=")[0] for o in overrides} | set(keep)
-    return [o for o in SHORT if o.split("=")[0] not in given] + list(overrides)
 
 
 @pytest.fixture(scope="session")
@@ -69,13 +26,6 @@ def reference(parity_reference, tmp_path_factory):
         return cache[key]
 
     return get
-
-
-# dp2 x tp2 x pp2 with checkpoints at steps 5 and 10 and the layout files: one run serves
-# test_parity[dp2_tp2_pp2] (parity, layout, communication) and test_checkpoint (resume,
-# reshard, export). "{root}" is the run's own directory (see shared_run).
-MESH_822 = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"]
-SAVES_AT_5_AND_10 = ["checkpoint.dir={root}/ck", "checkpoint.interval=5"]
 
 
 @pytest.fixture(scope="session")
@@ -120,6 +70,8 @@ QUICK_FILES = {
     "test_data.py",
     "test_checkpoint_slices.py",
     "test_nanotron.py",
+    "test_families.py",
+    "test_family_recipes.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {
@@ -139,7 +91,7 @@ SLOW_IN_QUICK_FILES = {
     "test_trains_like_the_native_recipe_at_world_1",
     "test_trains_like_the_native_recipe_on_tp2",
 }
-SMOKE = {"tests/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
+SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,7 @@ import circle, single-device models, one file name per module."""
 import ast
 from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 PACKAGE = ROOT / "dtensor3d"
 MAX_FUNCTION_LINES = 50

@@ -16,6 +16,7 @@ import tempfile
 
 import torch
 
+from ..config.families import ACTIVATIONS, BY_MODEL_TYPE, FAMILIES, rope_problem
 from ..config.load import recipe_from_dict
 from ..config.schema import ModelConfig, Recipe
 from ..errors import CheckpointError, RecipeError
@@ -41,91 +42,102 @@ from .slices import SliceReader, read_into_
 
 
 def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
-    """Refuse what this Llama cannot run, naming the config key."""
+    """Refuse what these families cannot run, naming the config key."""
 
     def refuse(key: str, why: str) -> CheckpointError:
         return CheckpointError(f"{where}: {key}={hf.get(key)!r}: {why}")
 
-    if kind not in ("llama", "mixtral"):
-        raise refuse("model_type", "only Llama and Mixtral (model_type 'llama', 'mixtral') are supported")
-    if kind == "mixtral" and hf.get("sliding_window") is not None:
-        raise refuse("sliding_window", "sliding-window attention is not supported; use null")
+    if kind not in BY_MODEL_TYPE:
+        raise refuse("model_type", f"supported model_type: {', '.join(BY_MODEL_TYPE)}")
     if kind == "mixtral" and hf.get("router_jitter_noise", 0.0):
         raise refuse("router_jitter_noise", "router noise is not supported; use 0.0")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", "only 'silu' (SwiGLU) is supported")
+    if hf.get("hidden_act", "silu") not in ACTIVATIONS:
+        raise refuse("hidden_act", f"supported: {', '.join(ACTIVATIONS)} (SwiGLU)")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise refuse(key, "biases are not supported")
-    rope = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling") or rope.get("rope_type", rope.get("type", "default")) != "default":
-        key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-        raise refuse(key, "only the default RoPE is supported (no scaling)")
+        if hf.get(key) and key not in FAMILIES[BY_MODEL_TYPE[kind]].biases:
+            raise refuse(key, f"not supported for model_type {kind!r}")
     if hf.get("attention_dropout", 0.0):
         raise refuse("attention_dropout", "dropout is not supported; use 0.0")
 
 
+def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from transformers 5's rope_parameters or 4's rope_theta and
+    rope_scaling; the default RoPE is no scaling."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # a 4.x scaling wins
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    params = dict(hf.get(key) or {})
+    theta = params.pop("rope_theta", theta)
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{where}: {key}: partial_rotary_factor: only 1.0 (RoPE on the whole head) is supported")
+    if "type" in params:  # transformers 4's spelling of rope_type
+        params.setdefault("rope_type", params.pop("type"))
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    problem = rope_problem(params)
+    if problem:
+        raise CheckpointError(f"{where}: {key}: {problem}")
+    return theta, params
+
+
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
-    """A Hugging Face Llama / Mixtral config.json as a ModelConfig; what this Llama cannot run is refused."""
+    """A Hugging Face config.json of a supported family as a ModelConfig; what cannot run is refused."""
     kind = hf.get("model_type", "llama")
     _refuse_unsupported(hf, kind, where)
+    family = FAMILIES[BY_MODEL_TYPE[kind]]
     values = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items()}
-    if kind == "mixtral":
+    if family.experts:
         values.update({key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()})
     values["num_key_value_heads"] = hf.get("num_key_value_heads") or values["num_attention_heads"]
-    rope = hf.get("rope_parameters") or {}
-    values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    values["rope_theta"], values["rope_scaling"] = _rope_from_hf(hf, where)
+    windowed = hf.get("use_sliding_window", False) if family.window_switch else True
+    values.update(
+        family=BY_MODEL_TYPE[kind],
+        head_dim=hf.get("head_dim"),
+        sliding_window=hf.get("sliding_window") if windowed else None,
+        **{key: bool(hf.get(key, False)) for key in family.biases},
+    )
     try:
-        cfg = recipe_from_dict({"model": values}).model
+        return recipe_from_dict({"model": values}).model
     except RecipeError as e:
         raise CheckpointError(f"{where}: {e}") from None
-    if cfg.hidden_size % cfg.num_attention_heads or (hf.get("head_dim") or cfg.head_dim) != cfg.head_dim:
-        raise CheckpointError(
-            f"{where}: head_dim={hf.get('head_dim')!r}: only head_dim = hidden_size / num_attention_heads "
-            f"is supported ({cfg.hidden_size} / {cfg.num_attention_heads})"
-        )
-    return cfg
 
 
 # The fields of a config.json that are fixed for every model we write.
 _COMMON = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
 
 
+def _family_fields(cfg, name: str) -> dict:
+    """What the family's own config class holds beyond Llama's common keys."""
+    family = FAMILIES[name]
+    out = {key: getattr(cfg, key) for key in family.biases}
+    if family.window_switch:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers)
+    elif name in ("mistral", "mixtral"):
+        out["sliding_window"] = cfg.sliding_window
+    if name == "mixtral":
+        out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
+        out.update(router_jitter_noise=0.0, output_router_logits=False)
+    return out
+
+
 def hf_config(cfg) -> dict:
-    """config.json for transformers' LlamaForCausalLM, or MixtralForCausalLM for experts."""
-    fields = {key: getattr(cfg, key) for key in LLAMA_KEYS}
-    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
-    if not cfg.num_local_experts:
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            **fields,
-            "head_dim": cfg.head_dim,
-            **_COMMON,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "rope_scaling": None,
-            **rope,
-            "pretraining_tp": 1,
-            "torch_dtype": "float32",
-        }
-    if cfg.shared_expert_intermediate_size or cfg.moe_layers is not None:
+    """config.json for transformers' model class of the family (Mixtral's for experts)."""
+    name = "mixtral" if cfg.num_local_experts else cfg.family
+    if cfg.num_local_experts and (cfg.shared_expert_intermediate_size or cfg.moe_layers is not None):
         raise CheckpointError(
             f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
             f"moe_layers={cfg.moe_layers}: Mixtral has experts in every layer and no shared "
             f"expert; only such a model exports to Hugging Face"
         )
-    fields.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        **fields,
+        "architectures": [FAMILIES[name].architecture],
+        "model_type": FAMILIES[name].model_type,
+        **{key: getattr(cfg, key) for key in LLAMA_KEYS},
         "head_dim": cfg.head_dim,
         **_COMMON,
-        "sliding_window": None,
-        "router_jitter_noise": 0.0,
-        "output_router_logits": False,
-        **rope,
+        **_family_fields(cfg, name),
+        "rope_parameters": rope,
         "torch_dtype": "float32",
     }
 

@@ -123,7 +123,7 @@ def resume(state, step_dir: str) -> None:
     load_params(state.model, SliceReader(step_dir, index["model"]))
     load_optimizer(state.optimizer, state.model, SliceReader(step_dir, index["optim"]))
     state.step = int(record["step"])
-    if dist.get_rank() == 0:
+    if is_rank0():
         note_grown_steps(record, state.recipe)
     rng = record.get("rng") or {}
     if "cpu" in rng:
@@ -149,7 +149,7 @@ def load_at_start(state) -> None:
     except UserError:
         dist.destroy_process_group()
         raise
-    if dist.get_rank() == 0:
+    if is_rank0():
         print(f"checkpoint: {what} in {time.perf_counter() - start:.2f} s", flush=True)
         if state.step >= recipe.training.steps:
             print(f"checkpoint: step {state.step} is training.steps={recipe.training.steps}: nothing left to train")

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.lr import lr_at
+from ..datasets.sources import data_position
 from ..parallel.shards import local
 from .format import (
     SLICES,
@@ -75,21 +76,24 @@ def write_slices(tmp: str, slices: StageSlices) -> None:
             save_tensors(tensors, os.path.join(tmp, f"{kind}-{slices.tag}.safetensors"), meta)
 
 
-def state_record(state) -> dict:
-    r = state.recipe
+def rng_record(device: torch.device) -> dict:
+    """The random generators' state (CPU, and this device's under CUDA)."""
     rng = {"cpu": torch.get_rng_state().tolist()}
-    if state.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(state.device).tolist()
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device).tolist()
+    return rng
+
+
+def state_record(state) -> dict:
+    """state.json's record of a step: each part of the run contributes its own piece (the
+    schedule its step and next lr, the data its position, the generators their state, the
+    mesh and the recipe themselves), from the TrainState's public fields only."""
+    r = state.recipe
     return {
         "step": state.step,
         "next_lr": lr_at(state.step, r.optimizer, r.training.steps),
-        "data": {
-            "kind": r.data.kind,
-            "path": r.data.path,
-            "seed": r.training.seed,
-            "samples_consumed": state.step * r.training.global_batch_size,
-        },
-        "rng": rng,
+        "data": data_position(r, state.step),
+        "rng": rng_record(state.device),
         "mesh": r.parallelism.dims,
         "recipe": r.to_dict(),
     }

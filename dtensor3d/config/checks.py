@@ -7,6 +7,7 @@ import importlib.util
 import math
 
 from ..errors import RecipeError
+from .families import FAMILIES, rope_problem
 from .schema import POSITIVE, V_SCHEDULES, ModelConfig, OptimizerConfig, ParallelismConfig, Recipe
 
 
@@ -35,6 +36,31 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_optimizer(o)
     _validate_decay(o, recipe.training.steps)
     _validate_rest(recipe)
+    _validate_family(recipe)
+
+
+def _validate_family(recipe: Recipe) -> None:
+    """What a family turns on, its RoPE scaling and its sliding window (config/families.py)."""
+    m, seq = recipe.model, recipe.training.sequence_length
+    if FAMILIES[m.family].experts != bool(m.num_local_experts) and m.family != "llama":
+        raise RecipeError(
+            f"model.family={m.family!r} with num_local_experts={m.num_local_experts}: experts come with "
+            f"family 'mixtral' (or 'llama' with num_local_experts > 0), none with the others"
+        )
+    if m.head_dim <= 0 or m.head_dim % 2:
+        raise RecipeError(f"model.head_dim={m.head_dim} must be a positive even number (RoPE rotates pairs)")
+    for key in ("attention_bias", "mlp_bias"):
+        if getattr(m, key) and key not in FAMILIES[m.family].biases:
+            with_it = ", ".join(name for name, f in FAMILIES.items() if key in f.biases)
+            raise RecipeError(f"model.{key}=true: family {m.family!r} has no such switch; families with it: {with_it}")
+    problem = rope_problem(m.rope_scaling)
+    if problem:
+        raise RecipeError(f"model.rope_scaling: {problem}")
+    if m.sliding_window is not None and m.sliding_window < seq:
+        raise RecipeError(
+            f"model.sliding_window={m.sliding_window} is smaller than training.sequence_length={seq}: "
+            f"sliding-window attention is not supported; use null or a window >= the sequence length"
+        )
 
 
 def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
@@ -49,7 +75,7 @@ def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
             f"parallelism.tp={p.tp}: model.num_key_value_heads={m.num_key_value_heads} is not "
             f"divisible by tp; valid tp: {_divisors(m.num_key_value_heads)}"
         )
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None:
         raise RecipeError(
             f"model.hidden_size={m.hidden_size} is not divisible by num_attention_heads="
             f"{m.num_attention_heads}; choose a multiple of {m.num_attention_heads}"
@@ -62,8 +88,6 @@ def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
     _validate_experts(m)
     if m.rms_norm_eps <= 0 or m.rope_theta <= 0:
         raise RecipeError(f"model.rms_norm_eps={m.rms_norm_eps}, rope_theta={m.rope_theta}: both must be > 0")
-    if m.head_dim % 2:
-        raise RecipeError(f"model.hidden_size={m.hidden_size}: head dim {m.head_dim} must be even for RoPE")
     if m.intermediate_size % p.tp:
         raise RecipeError(
             f"parallelism.tp={p.tp}: model.intermediate_size={m.intermediate_size} is not divisible by tp"

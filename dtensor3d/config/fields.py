@@ -68,6 +68,8 @@ def type_text(tp: Any) -> str:
         text = "a list of two numbers"
     elif base == tuple[int, ...]:
         text = "a list of integers"
+    elif base is dict:
+        text = "a mapping"
     else:
         text = str(base)
     return text + (" or null" if optional else "")

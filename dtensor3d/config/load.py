@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from ..errors import RecipeError
-from . import nanotron
+from . import nanotron, nanotron_keys
 from .checks import validate
 from .fields import choices_of, unwrap_optional
 from .schema import _SECTION_CLASSES, ALIASES, ENUMS, EXPERT_ONLY, NON_EMPTY, SECTIONS, TYPES, Recipe
@@ -28,7 +28,7 @@ def _kind(tp: Any) -> str:
         return "str"
     if tp in (int, float, bool):
         return tp.__name__
-    return {tuple[float, float]: "tuple[float,float]", tuple[int, ...]: "tuple[int,...]"}[tp]
+    return {tuple[float, float]: "tuple[float,float]", tuple[int, ...]: "tuple[int,...]", dict: "dict"}[tp]
 
 
 def _coerce(where: str, value: Any, tp: Any) -> Any:
@@ -56,6 +56,8 @@ def _coerce(where: str, value: Any, tp: Any) -> Any:
         return value
     if ann == "str" and isinstance(value, str):
         return value
+    if ann == "dict" and isinstance(value, dict):
+        return {str(k): v for k, v in value.items()}
     if ann == "tuple[float,float]" and isinstance(value, (list, tuple)) and len(value) == 2:
         return tuple(_coerce(where, v, float) for v in value)
     if ann == "tuple[int,...]" and isinstance(value, (list, tuple)):
@@ -66,7 +68,11 @@ def _coerce(where: str, value: Any, tp: Any) -> Any:
 def _wrong_type(where: str, value: Any, ann: str, optional: bool) -> RecipeError:
     """The one line for a value of the wrong type (an empty value and a non-integer number
     each get their own words: YAML 1.1 reads `1e9` as a string)."""
-    expected = {"tuple[float,float]": "a list of two numbers", "tuple[int,...]": "a list of integers"}
+    expected = {
+        "tuple[float,float]": "a list of two numbers",
+        "tuple[int,...]": "a list of integers",
+        "dict": "a mapping",
+    }
     want = expected.get(ann, ann) + (" or null" if optional else "")
     if value == "":
         return RecipeError(f"{where}='' is the empty string; expected {want}")
@@ -248,7 +254,7 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_si
     """Read, override and validate a recipe (or a nanotron config, mapped by nanotron.py).
     Raises RecipeError with one line."""
     raw = _read_yaml(path)
-    if nanotron.is_nanotron(raw):
+    if nanotron_keys.is_nanotron(raw):
         recipe, conv = _from_nanotron(raw, overrides)
         nanotron.warn(conv)
     else:
@@ -265,10 +271,10 @@ def _from_nanotron(raw: dict[str, Any], overrides) -> tuple[Recipe, nanotron.Con
 def load_nanotron(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Recipe, nanotron.Conversion]:
     """`convert-nanotron`: a nanotron config file -> its validated recipe and how each field mapped."""
     raw = _read_yaml(path)
-    if not nanotron.is_nanotron(raw):
+    if not nanotron_keys.is_nanotron(raw):
         raise RecipeError(
             f"{path} is not a nanotron config (no model.model_config, and not two of the sections "
-            f"{', '.join(nanotron.NANOTRON_SECTIONS)}); it is a recipe already"
+            f"{', '.join(nanotron_keys.NANOTRON_SECTIONS)}); it is a recipe already"
         )
     recipe, conv = _from_nanotron(raw, overrides)
     validate(recipe)

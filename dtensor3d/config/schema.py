@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import fields
+from .families import FAMILIES
 from .fields import choices_of, field_types, knob
 
 
@@ -35,14 +36,34 @@ class ModelConfig:
     router_aux_loss_coef: float = knob(0.001, "weight of Mixtral's load-balancing loss")
     shared_expert_intermediate_size: int = knob(0, "a shared expert's inner width; 0: no shared expert")
     moe_layers: tuple[int, ...] | None = knob(None, "the layers with experts; null: every layer")
+    # The model family (config/families.py) and Hugging Face's switches, by their config.json names.
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral"] = knob(
+        "llama", "the architecture (README: Model families); its Hugging Face model_type on export"
+    )
+    head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
+    attention_bias: bool = knob(False, "biases on q, k, v and o (llama, qwen3)")
+    mlp_bias: bool = knob(False, "biases on gate, up and down (llama)")
+    rope_scaling: dict | None = knob(
+        None, "Hugging Face's RoPE scaling: rope_type linear, llama3 or yarn and its keys; null: none"
+    )
+    sliding_window: int | None = knob(None, "attention window; null: full (a window must cover the sequence)")
+    hidden_act: Literal["silu"] = knob("silu", "the feed-forward's activation (SwiGLU)")
+
+    def __post_init__(self):
+        if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     def is_moe_layer(self, index: int) -> bool:
         """Layers with experts: all of them when the model has experts, unless moe_layers lists some."""
         return bool(self.num_local_experts) and (self.moe_layers is None or index in self.moe_layers)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or FAMILIES[self.family].qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return FAMILIES[self.family].qk_norm
 
 
 def stage_layers(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None = None) -> list[range]:

@@ -101,3 +101,14 @@ def epoch_note(source, recipe, step: int) -> str | None:
         for e in range(max(1, -(-first // windows)), last // windows + 1)
     ]
     return "\n".join(lines) or None
+
+
+def data_position(recipe, step: int) -> dict:
+    """The data's part of a checkpoint record: which source, in which order, how far it is read
+    (sample i of a run is a pure function of the seed and i, so this is the whole position)."""
+    return {
+        "kind": recipe.data.kind,
+        "path": recipe.data.path,
+        "seed": recipe.training.seed,
+        "samples_consumed": step * recipe.training.global_batch_size,
+    }

@@ -31,22 +31,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def rope_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq, head_dim] for the given (global) token positions."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    angles = torch.outer(positions.float(), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; Hugging Face's rotate-half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rotated * sin).type_as(x)
-
-
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: [b, h, s, d]; k, v: [b, kv_h, s, d] -> [b, h, s, d]. Grouped-query attention by
     the kernel itself (no repeated K/V kept for backward)."""
@@ -161,14 +145,17 @@ class MLP(nn.Module):
     def __init__(self, cfg, intermediate_size: int | None = None):
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def init_std(name: str) -> float | None:
-    """Initial std of a parameter by name; None means ones (norm weights)."""
-    return None if name.endswith("norm.weight") else 0.02
+    """Initial std of a parameter by name; None means ones (norm weights), 0.0 zeros (biases)."""
+    if name.endswith("norm.weight"):
+        return None
+    return 0.0 if name.endswith(".bias") else 0.02

@@ -17,19 +17,27 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import MLP, KVCache, ModelHooks, RMSNorm, apply_rope, cached_attention, recompute_context, rope_tables
+from .layers import MLP, KVCache, ModelHooks, RMSNorm, cached_attention, recompute_context
 from .moe import MoE
+from .rope import apply_rope, inv_freq, rope_tables
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; the config's switches add q/k/v (and o) biases and per-head
+    q/k RMSNorm (Qwen3), and choose the RoPE scaling (models/rope.py)."""
+
     def __init__(self, cfg, hooks: ModelHooks):
         super().__init__()
-        hd = cfg.head_dim
-        self.head_dim, self.rope_theta, self.sequence = hd, cfg.rope_theta, hooks.sequence
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+        hd, qkv_bias = cfg.head_dim, cfg.qkv_bias
+        self.head_dim, self.sequence = hd, hooks.sequence
+        self.freqs, self.rope_scale = inv_freq(cfg)  # a plain tensor: no buffer to shard or save
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """`cache` (generation, single device): x holds the tokens after cache.length; their
@@ -37,11 +45,13 @@ class Attention(nn.Module):
         q, k, v = (
             rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj)
         )
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if cache is None:  # the whole sequence here, or this rank's part of it under context parallelism
             positions = self.sequence.positions(q.shape[2], q.device)
         else:
             positions = torch.arange(cache.length, cache.length + q.shape[2], device=q.device)
-        cos, sin = rope_tables(self.head_dim, positions, self.rope_theta)
+        cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
         q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         if cache is None:
             out = self.sequence.attention(q, k, v)  # [b, h, s, d]

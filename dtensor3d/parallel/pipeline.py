@@ -142,15 +142,18 @@ def build_schedule(
     return schedule_cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def schedule_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, stage: int, parallelism) -> torch.Tensor:
+def schedule_step(
+    schedule, inputs: torch.Tensor, targets: torch.Tensor, stage: int, parallelism, forward_only: bool = False
+) -> torch.Tensor:
     """Step time: run the step's microbatches through the schedule (inputs enter on the rank
     holding the first stage, targets and the loss live on the one holding the last); return
     the sum of this rank's microbatch losses (zero where it holds no last stage). `stage` is
-    this rank's pp coordinate."""
+    this rank's pp coordinate; `forward_only`: the schedule's eval (validation, no backward)."""
     first, last = holds_first_stage(stage, parallelism), holds_last_stage(stage, parallelism)
     losses: list[torch.Tensor] = []
     args = (inputs,) if first else ()
-    schedule.step(*args, target=targets if last else None, losses=losses if last else None)
+    run = schedule.eval if forward_only else schedule.step
+    run(*args, target=targets if last else None, losses=losses if last else None)
     total = torch.zeros((), device=inputs.device)
     for loss in losses:
         total += local(loss.detach()).float()

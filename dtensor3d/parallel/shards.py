@@ -4,16 +4,20 @@ Hugging Face import put whole tensors into a parallelised model.
 A parameter is either a plain tensor (every rank holds it whole) or a DTensor (tp, ep,
 fsdp: this rank holds a slice). `copy_full_` takes the whole tensor, as a one-process run
 would have it, and keeps this rank's slice; that is what makes init and checkpoints
-topology-independent.
+topology-independent. `init_weights` is the init rule itself (per-parameter seeds).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..models.layers import init_std
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -69,3 +73,20 @@ def write_layout(
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
     return path
+
+
+def param_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Topology-independent init: each full parameter is drawn from its own generator seeded
+    by (seed, name), on the CPU, then this rank keeps its slice. Same bits at any mesh."""
+    for name, p in model.named_parameters():
+        std = init_std(name)
+        if std is None:
+            full = torch.ones(p.shape)
+        else:
+            full = torch.randn(p.shape, generator=torch.Generator().manual_seed(param_seed(seed, name))) * std
+        copy_full_(p, full)

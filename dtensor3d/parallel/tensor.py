@@ -6,6 +6,11 @@ block ends in an all-reduce; under REDUCE_SCATTER (sequence parallelism) the res
 stream and the norms are sharded on the sequence and each block gathers its input and
 reduce-scatters its output. The head is column-parallel and its logits stay sharded on the
 vocabulary for `loss_parallel` cross-entropy.
+
+Biases go with their linears (a column-parallel bias is sharded like the rows, a row-parallel
+one replicated and added once after the reduction: DTensor's own rules). Per-head q/k norms
+(Qwen3) see this rank's heads: their weight is a replicated DTensor and their input is marked
+sharded on the heads dim, so the weight's gradient is summed over tp by DTensor.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        # [b, heads, s, d]: this rank's heads (dim 1); a module a model lacks is skipped
+        "self_attn.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
+        "self_attn.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
     }
     if not moe:
         layer.update(
@@ -82,7 +90,8 @@ def apply_tp(model: nn.Module, tp_mesh, parallelism) -> nn.Module:
     present = {path: style for path, style in outer.items() if _has_module(model, path)}
     parallelize_module(model, tp_mesh, present)
     for block in model.model.layers.values():
-        parallelize_module(block, tp_mesh, tp_plan(sequence_parallel, hasattr(block, "block_sparse_moe"))[1])
+        layer = tp_plan(sequence_parallel, hasattr(block, "block_sparse_moe"))[1]
+        parallelize_module(block, tp_mesh, {path: style for path, style in layer.items() if _has_module(block, path)})
     return model
 
 

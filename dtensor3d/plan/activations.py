@@ -4,7 +4,7 @@
 produces (a TorchDispatchMode), then sums the distinct storages still alive once it has
 returned: what autograd saved (and the output), less the parameters themselves. It works
 on any device and needs no allocator statistics (the CPU has none); bench/throughput.py and
-tests/test_speed.py report it per recompute mode and dtype.
+tests/training/test_speed.py report it per recompute mode and dtype.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
     each layer's (and, with recompute full or selective, its forward's again), the embedding's, the head's
     and loss_parallel's three all-reduces over the tokens (max, sum of exp, target logit);
     per step under sequence parallelism, the all-reduce of the norm weights' gradients
-    (`match_grad_placements`)."""
+    (`match_grad_placements`), and with per-head q/k norms (Qwen3) theirs at either tp mode."""
     p, z = recipe.parallelism, sizes(recipe)
     if not p.tp_enabled:
         return _kinds()
@@ -92,6 +92,8 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
     if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
         norms = 2 * len(layers) + part.last
         _add(per_step, {"all_reduce": norms * z.hidden * FP32})
+    if recipe.model.qk_norm:  # per-head q/k norms see this rank's heads: their gradients summed too
+        _add(per_step, {"all_reduce": 2 * len(layers) * recipe.model.head_dim * FP32})
     return _kinds(**per_step)
 
 

@@ -140,7 +140,7 @@ def weight_pass_bytes(recipe, layers, first: bool) -> int:
     frees its op's saved input in every copy (the two norms' normalised outputs, the linears'
     inputs: R). So at the last group a layer with G parameter tensors and activations A holds
     G - 1 copies of A - R and one whole recomputation: G (A - R) + R; each earlier layer of
-    the stage its G copies. Measured on one parity layer (tests/test_plan_accuracy.py):
+    the stage its G copies. Measured on one parity layer (tests/plan/test_plan_accuracy.py):
     1,021,696 B above what I left (7.3 A), modelled 934,912; a 2-layer stage 1,854,976
     against 1,828,864. Selective recompute does not run under these schedules (torch fails in
     the first backward), so is not modelled."""

@@ -4,7 +4,7 @@ activations for at once, which stage boundaries cross ranks, and the idle share 
 
 The closed forms below are read off torch.distributed.pipelining's own computation orders
 (`pipeline_order` of Schedule1F1B / ScheduleGPipe / ScheduleInterleaved1F1B /
-ScheduleZBVZeroBubble / ScheduleDualPipeV); tests/test_estimate.py rebuilds those orders
+ScheduleZBVZeroBubble / ScheduleDualPipeV); tests/plan/test_estimate.py rebuilds those orders
 from torch's classes for many (pp, microbatches, stages per rank) and checks every formula
 here against them.
 

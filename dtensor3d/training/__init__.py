@@ -3,7 +3,8 @@
 `train.py`: setup -> `TrainState`, `train_step(state, batch) -> metrics` and the loop;
 `optim.py`: AdamW and the LR schedule; `evaluate.py`: validation loss at every mesh;
 `metrics.py`: metrics.jsonl, TensorBoard, loss.svg, the console; `profiling.py`:
-torch.profiler traces; `faults.py`: preemption, non-finite steps, collective timeouts and
-the checkpoint saves at step boundaries. May import config, mesh, models, parallel,
+torch.profiler traces; `hooks.py`: the loop's cross-step concerns as step hooks (layout
+probe, profiling, evaluation, metrics log, checkpoints); `faults.py`: preemption,
+non-finite steps and collective timeouts. May import config, mesh, models, parallel,
 datasets and checkpoint; nothing imports it but `__main__`.
 """

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..parallel import context, data, expert, tensor
+from ..parallel import context, data, expert, pipeline, tensor
 from ..parallel.shards import local
 
 
@@ -26,15 +26,10 @@ def eval_due(recipe, step: int) -> bool:
 
 def _forward_only(state, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of this rank's microbatch losses of one batch (zero where it computes none)."""
-    mbs = state.recipe.training.micro_batch_size
-    total = torch.zeros((), device=state.device)
+    p, mbs = state.recipe.parallelism, state.recipe.training.micro_batch_size
     if state.schedule is not None:
-        losses: list[torch.Tensor] = []
-        first, last = state.coords["pp"] == 0, state.is_last_stage
-        state.schedule.eval(*((inputs,) if first else ()), target=targets if last else None, losses=losses)
-        for loss in losses if last else []:
-            total += local(loss).float()
-        return total
+        return pipeline.schedule_step(state.schedule, inputs, targets, state.coords["pp"], p, forward_only=True)
+    total = torch.zeros((), device=state.device)
     for m in range(inputs.shape[0] // mbs):
         rows = slice(m * mbs, (m + 1) * mbs)
         total += local(state.loss_fn(state.model(inputs[rows]), targets[rows])).float()

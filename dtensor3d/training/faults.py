@@ -15,7 +15,7 @@ same step.
   `skipped_steps` and stops after training.max_skipped_steps consecutive skips.
 - Hangs: training.timeout_s is the timeout of the default process group
   (mesh.init_distributed: a rank missing at the start) and is set on every group once the
-  mesh is built, so a collective that does not complete raises instead of waiting forever;
+  mesh is built (mesh.set_timeout), so a collective that does not complete raises instead of waiting forever;
   setup and the loop turn it into one line naming setup or the step (`report`). Under
   launch.sh that line goes to the supervisor (supervise.py), which prints one per job.
 """
@@ -28,12 +28,11 @@ import os
 import signal
 import sys
 import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError, write_error_file
+from ..errors import UserError, is_rank0, write_error_file
 from ..parallel.shards import local
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -204,16 +203,6 @@ class SkipCount:
 # ---------------------------------------------------------------- collectives that do not complete
 
 
-def set_timeout(seconds: float) -> None:
-    """Give every process group this rank belongs to (the world, the mesh axes and views) the
-    timeout: a collective that does not complete in time raises instead of hanging."""
-    from torch.distributed import distributed_c10d as c10d
-
-    for group in list(c10d._world.pg_map):
-        with contextlib.suppress(ValueError, RuntimeError, AssertionError):
-            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-
-
 def is_collective_failure(e: BaseException) -> bool:
     """A failed or timed-out collective or store wait (torch's DistError; gloo's errors are
     RuntimeErrors naming gloo), as opposed to a bug, which keeps its traceback."""
@@ -258,16 +247,17 @@ def report_collective(err: CollectiveError) -> int:
 
 
 class Guard:
-    """What the training loop calls: `Guard(recipe)` before setup (signal handlers), `attach`
-    after it, `step()` around each step, `check(metrics)` before logging, `boundary(state)`
-    after it (interval checkpoints, preemption; True: stop now), `close()` at the end."""
+    """What the training loop calls: `Guard(recipe)` before setup (signal handlers),
+    `setup_phase()` around setup, `step()` around each step, `check(metrics)` after it,
+    `boundary(state, hooks)` at its end (an agreed SIGTERM/SIGINT: the hooks' `on_signal`
+    save, then True: stop now), `close()` at the end. It owns no saver: checkpoints are a
+    step hook (hooks.Checkpointing)."""
 
     def __init__(self, recipe):
         self.recipe = recipe
         self.preemption = Preemption(recipe.checkpoint.preempt_timeout_s)
         self.preemption.install()
         self.skips = SkipCount(recipe.training, recipe.checkpoint.dir)
-        self.saver = None
 
     @contextlib.contextmanager
     def setup_phase(self):
@@ -280,41 +270,25 @@ class Guard:
             self.close()
             raise SystemExit(report_collective(e)) from None
 
-    def attach(self, state) -> None:
-        from ..checkpoint.background import Saver
-
-        if self.recipe.checkpoint.dir:
-            self.saver = Saver(state)  # its own group (async saves): before the timeouts are set
-        set_timeout(self.recipe.training.timeout_s)
-
     def step(self, state):
         return collective_guard(f"step {state.step + 1}", self.recipe.training.timeout_s)
 
     def check(self, metrics: dict) -> None:
         self.skips.after(metrics)
 
-    def boundary(self, state) -> bool:
-        """Collective: save when due; on an agreed SIGTERM/SIGINT save (if not just saved),
-        wait for the save, print one line (rank 0) and return True."""
-        from ..checkpoint import checkpoint_due
-
+    def boundary(self, state, hooks) -> bool:
+        """Collective: on an agreed SIGTERM/SIGINT let the hooks save (`on_signal`: waits for
+        the save), print one line (rank 0) and return True."""
         with collective_guard(f"step {state.step}", self.recipe.training.timeout_s):
-            saved = self.saver.save(state) if checkpoint_due(self.recipe, state.step) else None
             name = self.preemption.agreed(state.device)
             if name is None:
                 return False
-            if self.saver is not None:
-                saved = saved or self.saver.save(state)
-                self.saver.wait()
-        if dist.get_rank() == 0:
+            saved = None
+            for hook in hooks:
+                saved = hook.on_signal(state) or saved
+        if is_rank0():
             print(preempted_line(name, state.step, saved, self.recipe.checkpoint.dir), flush=True)
         return True
-
-    def finish(self, state) -> None:
-        """Collective, at a normal end: wait for a background save (raises if it failed)."""
-        if self.saver is not None:
-            with collective_guard(f"step {state.step}", self.recipe.training.timeout_s):
-                self.saver.wait()
 
     def final_barrier(self) -> None:
         """Collective, after close: every rank reached the end. A rank lost at the very end
@@ -326,7 +300,5 @@ class Guard:
             raise SystemExit(report_collective(e)) from None
 
     def close(self) -> None:
-        """Always, last: let a background save of a good step finish; restore the signal handlers."""
-        if self.saver is not None and self.saver.thread is not None:
-            self.saver.thread.join()
+        """Always, last (after the hooks' close): restore the signal handlers."""
         self.preemption.close()

@@ -13,6 +13,7 @@ import time
 import torch
 import yaml
 
+from ..config.schema import Recipe
 from ..plan.report import GPUS
 from ..plan.shapes import flops_per_token  # noqa: F401  (torch-free, for plan; re-exported
 
@@ -105,11 +106,11 @@ class MetricsLog:
     the same way (purge_step). A fresh run into a run_dir holding metrics.jsonl keeps the
     earlier run's files under numbered names (`rotate_previous`)."""
 
-    def __init__(self, run_dir: str, recipe_dict: dict, enabled: bool, resume: int = 0):
+    def __init__(self, recipe: Recipe, enabled: bool, resume: int = 0):
+        run_dir = recipe.logging.run_dir
         self.enabled, self.run_dir, self.records, self.earlier = enabled, run_dir, [], []
         self.resume, self.start, self.writer = resume, time.perf_counter(), None
-        self.total_steps = recipe_dict.get("training", {}).get("steps")
-        self.checkpoint_dir = recipe_dict.get("checkpoint", {}).get("dir")
+        self.total_steps, self.checkpoint_dir = recipe.training.steps, recipe.checkpoint.dir
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -118,14 +119,14 @@ class MetricsLog:
         if note:
             print(note, flush=True)
         with open(os.path.join(run_dir, "recipe.yaml"), "w") as f:
-            yaml.safe_dump(recipe_dict, f, sort_keys=False)
+            yaml.safe_dump(recipe.to_dict(), f, sort_keys=False)
         if resume and os.path.exists(path):
             with open(path) as f:
                 self.earlier = [r for r in map(json.loads, f) if r["step"] <= resume]
         self.file = open(path, "w")
         for record in self.earlier:
             self.file.write(json.dumps(record) + "\n")
-        if recipe_dict.get("logging", {}).get("tensorboard"):
+        if recipe.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: TensorBoard hides the earlier events at and after the resumed step.

@@ -3,13 +3,12 @@ those steps (Chrome trace JSON, opens in Perfetto or chrome://tracing) in
 <run_dir>/profile/trace_rank<R>.json, and on CUDA a memory snapshot beside it
 (memory_rank<R>.pickle, for pytorch.org/memory_viz).
 
-The training loop wraps each step:
+The loop wraps each step through the step hook hooks.Profiling:
 
     profiler = StepProfiler(recipe.logging.profile_steps, recipe.logging.run_dir, rank, device)
-    while state.step < t.steps:
-        with profiler.step(state.step + 1):   # the 1-based number of the step about to run
-            metrics = train_step(state, batch)
-    profiler.close()                           # in the loop's `finally`: a run that stops early
+    with profiler.step(state.step + 1):   # the 1-based number of the step about to run
+        metrics = train_step(state, batch)
+    profiler.close()                       # at the end, also when a run stops early
 """
 
 from __future__ import annotations

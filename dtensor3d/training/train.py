@@ -9,8 +9,6 @@ What each parallel dimension does at step time lives in its own file under paral
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -27,19 +25,15 @@ from .. import checkpoint
 from ..config.lr import lr_at
 from ..config.schema import Recipe
 from ..datasets.sources import epoch_note, make_source
-from ..mesh import build_mesh, init_distributed, mesh_coords
+from ..errors import is_rank0
+from ..mesh import build_mesh, init_distributed, mesh_coords, set_timeout
 from ..models import materialize
-from ..models.layers import init_std
 from ..parallel import context, data, expert, pipeline, tensor
-from ..parallel.comm import count_step
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
-from ..parallel.shards import copy_full_, local, write_layout
-from . import faults
-from .evaluate import eval_due, validation_loss
-from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
+from ..parallel.shards import init_weights, local, write_layout
+from . import faults, hooks
 from .optim import build_optimizer, clip_, grad_sq_partial, replication
-from .profiling import StepProfiler
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -76,23 +70,6 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-def param_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Topology-independent init: each full parameter is drawn from its own generator seeded
-    by (seed, name), on the CPU, then this rank keeps its slice. Same bits at any mesh."""
-    for name, p in model.named_parameters():
-        std = init_std(name)
-        if std is None:
-            full = torch.ones(p.shape)
-        else:
-            full = torch.randn(p.shape, generator=torch.Generator().manual_seed(param_seed(seed, name))) * std
-        copy_full_(p, full)
-
-
 def make_loss_fn(global_tokens: int) -> LossFn:
     """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
     and gradients that only need summing across ranks and microbatches."""
@@ -107,7 +84,7 @@ def setup(recipe: Recipe) -> TrainState:
     device = init_distributed(resolve_device(recipe.training.device), recipe.training.timeout_s)
     torch.manual_seed(recipe.training.seed)
     mesh = build_mesh(recipe.parallelism, device.type)
-    faults.set_timeout(recipe.training.timeout_s)  # the mesh's groups too, for the rest of setup
+    set_timeout(recipe.training.timeout_s)  # the mesh's groups too, for the rest of setup
     coords = mesh_coords(mesh)
     model, parts = parallelize_stages(recipe, mesh, coords, device)  # parts: this rank's pipeline stages
     model = materialize(model, device)
@@ -140,7 +117,7 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
     total = _microbatches(state, inputs, targets)
     if state.recipe.training.compile and not state.compile_reported:
         state.compile_reported = True
-        if dist.get_rank() == 0:
+        if is_rank0():
             n = len(state.model.model.layers)
             print(f"compile: {compile_seconds():.1f} s compiling {n} decoder blocks on rank 0", flush=True)
     return total
@@ -203,17 +180,6 @@ def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torc
     return inputs.to(state.device), targets.to(state.device)
 
 
-@contextlib.contextmanager
-def layout_probe(state: TrainState):
-    """With logging.layout, count the collectives of step 2 (step 1 also runs a pipeline's
-    shape inference); yields the counter, or None on every other step."""
-    if not (state.recipe.logging.layout and state.step == 1):
-        yield None
-        return
-    with count_step(state.mesh) as counter:
-        yield counter
-
-
 def _banner(state: TrainState) -> str:
     n_local = sum(local(q).numel() for q in state.model.parameters())
     p, t = state.recipe.parallelism, state.recipe.training
@@ -223,80 +189,49 @@ def _banner(state: TrainState) -> str:
     )
 
 
-@dataclass
-class Loop:
-    """What the loop keeps beside the TrainState: its log, data, guard and probes."""
-
-    log: MetricsLog
-    source: Callable[[int], torch.Tensor]
-    guard: faults.Guard
-    profiler: StepProfiler
-    tokens_per_step: int
-    flops_per_token: float
-    peak_flops: float | None
-
-
-def _loop(recipe: Recipe, state: TrainState, guard: faults.Guard) -> Loop:
-    rank, t = dist.get_rank(), recipe.training
-    return Loop(
-        log=MetricsLog(recipe.logging.run_dir, recipe.to_dict(), enabled=rank == 0, resume=state.step),
-        source=make_source(recipe),
-        guard=guard,
-        profiler=StepProfiler(recipe.logging.profile_steps, recipe.logging.run_dir, rank, state.device),
-        tokens_per_step=t.global_batch_size * t.sequence_length,
-        flops_per_token=flops_per_token(recipe.model, t.sequence_length),
-        peak_flops=peak_flops(state.device),
-    )
-
-
-def run_step(state: TrainState, loop: Loop) -> dict:
-    """One step of the loop: the train step (under the guard and any probes), the
-    validation loss when due, and the log line when due. Returns the step's metrics."""
+def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.StepHook]) -> dict:
+    """One step of the loop: the train step (under the guard and every hook's context), the
+    non-finite check, then every hook's after_step. Returns the step's metrics."""
     recipe, start = state.recipe, time.perf_counter()
-    if dist.get_rank() == 0 and (note := epoch_note(loop.source, recipe, state.step)):
+    if is_rank0() and (note := epoch_note(source, recipe, state.step)):
         print(note, flush=True)  # the sample order enters a new epoch in this step
-    with loop.guard.step(state), loop.profiler.step(state.step + 1), layout_probe(state) as comm:
-        metrics = train_step(state, rank_batch(state, loop.source, state.step))
-    if comm is not None:  # logging.layout: the layout again, with step 2's collective bytes
-        write_layout(state.model, state.coords, dist.get_rank(), recipe.logging.run_dir, comm.result())
-    elapsed = time.perf_counter() - start
-    loop.guard.check(metrics)
-    if eval_due(recipe, state.step):
-        metrics.update(validation_loss(state, make_source(recipe, "validation"), compute_dtype_context(state)))
-    if state.step % recipe.logging.every == 0 or state.step == recipe.training.steps or "val_loss" in metrics:
-        tps = loop.tokens_per_step / elapsed
-        mfu = tps * loop.flops_per_token / (loop.peak_flops * dist.get_world_size()) if loop.peak_flops else None
-        memory = peak_memory_gib(state.device)
-        metrics.update(tokens_per_sec=tps, ms_per_step=1000 * elapsed, peak_mem_gib=memory, mfu=mfu)
-        loop.log.log(metrics)
+    with guard.step(state), hooks.during_step(found, state):
+        metrics = train_step(state, rank_batch(state, source, state.step))
+    seconds = time.perf_counter() - start
+    guard.check(metrics)
+    for hook in found:
+        hook.after_step(state, metrics, seconds)
     return metrics
 
 
 def train(recipe: Recipe) -> list[dict]:
     """Train for recipe.training.steps; rank 0 logs. Returns the logged records. Preemption,
-    non-finite steps, hung collectives and checkpoint saves go through faults.Guard."""
+    non-finite steps and hung collectives go through faults.Guard; evaluation, the metrics
+    log, checkpoints, profiling and the layout probe are step hooks (hooks.py)."""
     guard = faults.Guard(recipe)  # signal handlers before setup: a SIGTERM during it counts
     with guard.setup_phase():  # a rank missing or dead at the start: one line, not a traceback
         state = setup(recipe)
-    guard.attach(state)
+    found = hooks.hooks(state, compute_dtype_context)  # an async Saver's group: before the timeouts
+    set_timeout(recipe.training.timeout_s)
     if recipe.logging.layout:
         write_layout(state.model, state.coords, dist.get_rank(), recipe.logging.run_dir)
-    loop = _loop(recipe, state, guard)
-    if dist.get_rank() == 0:
+    source, log = make_source(recipe), next(h.log for h in found if isinstance(h, hooks.MetricsLogging))
+    if is_rank0():
         print(_banner(state), flush=True)
     try:
         while state.step < recipe.training.steps:
-            run_step(state, loop)
-            if guard.boundary(state):  # interval checkpoints; True: preempted, saved
+            run_step(state, source, guard, found)
+            if guard.boundary(state, found):  # True: preempted (and saved, with checkpoint.dir)
                 break
-        guard.finish(state)
+        for hook in found:
+            hook.at_end(state)
     except faults.CollectiveError as e:
         raise SystemExit(faults.report_collective(e)) from None
     finally:
+        for hook in found:
+            hook.close()
         guard.close()
-        loop.profiler.close()
-        loop.log.close(announce=False)
     guard.final_barrier()  # every rank reached the end: only then the `done:` line
-    loop.log.done()
+    log.done()
     dist.destroy_process_group()
-    return loop.log.records
+    return log.records

@@ -8,7 +8,7 @@ agent restarts the job. Attempt 1: rank 1 starts 5 s after rank 0, as a slow ran
 loaded machine. Each rank prints `attempt A rank R sum S`.
 
 With a rendezvous store shared by both rounds (torch's default for c10d), rank 0 of attempt 1
-reads rank 1's address of attempt 0 and gloo's connectFullMesh is refused; tests/test_faults.py
+reads rank 1's address of attempt 0 and gloo's connectFullMesh is refused; tests/training/test_faults.py
 checks that under supervise.py both attempts complete.
 """
 

@@ -1,5 +1,5 @@
 """Run under torchrun with 8 gloo ranks: report every group of some real DeviceMeshes and of a
-ParallelContext, so tests/test_mesh.py can compare them with the pure `rank_groups`.
+ParallelContext, so tests/parallel/test_mesh.py can compare them with the pure `rank_groups`.
 
     python -m torch.distributed.run --standalone --nproc_per_node 8 mesh_groups.py OUT.json
 

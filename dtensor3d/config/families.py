@@ -1,0 +1,64 @@
+"""Model families as data: which Hugging Face model_type / architecture each one is, and the
+model switches it turns on. Adding a family is a row here (and, for a new kind of layer, one
+switch in models/); nothing else asks which family a model is. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # Hugging Face config.json's model_type
+    architecture: str  # ...and its architectures[0]
+    qkv_bias: bool = False  # biases on q/k/v whatever attention_bias says (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    experts: bool = False  # Mixtral's mixture-of-experts names and config keys
+    biases: tuple[str, ...] = ()  # which of attention_bias / mlp_bias the family's config class has
+    window_switch: bool = False  # sliding_window counts only with use_sliding_window: true (Qwen)
+
+
+FAMILIES = {
+    "llama": Family("llama", "LlamaForCausalLM", biases=("attention_bias", "mlp_bias")),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, window_switch=True),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, biases=("attention_bias",), window_switch=True),
+    "mistral": Family("mistral", "MistralForCausalLM"),
+    "mixtral": Family("mixtral", "MixtralForCausalLM", experts=True),
+}
+BY_MODEL_TYPE = {f.model_type: name for name, f in FAMILIES.items()}
+
+# rope_scaling's rope_type -> the keys it needs (beyond rope_type and factor)
+ROPE_TYPES = {
+    "default": (),
+    "linear": (),
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
+}
+ROPE_OPTIONAL = {
+    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+}
+ACTIVATIONS = ("silu",)
+
+
+def rope_problem(rope: dict | None) -> str | None:
+    """Why model.rope_scaling cannot run (one phrase, naming the key), or None."""
+    if rope is None:
+        return None
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        return f"rope_type={kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+    if kind != "default" and not _positive(rope.get("factor")):
+        return f"rope_type={kind!r} needs factor > 0 (got {rope.get('factor')!r})"
+    allowed = {"rope_type", "type", "factor", "rope_theta", *ROPE_TYPES[kind], *ROPE_OPTIONAL.get(kind, ())}
+    for key in ROPE_TYPES[kind]:
+        if not _positive(rope.get(key)):
+            return f"rope_type={kind!r} needs {key} > 0 (got {rope.get(key)!r})"
+    unknown = sorted(set(rope) - allowed)
+    if unknown:
+        return f"{unknown[0]}: not a {kind!r} key; valid: {', '.join(sorted(allowed))}"
+    return None
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

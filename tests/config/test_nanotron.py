@@ -1,0 +1,250 @@
+"""nanotron configs: a config in nanotron's published format is mapped field by field onto a
+recipe (recognised by load_recipe, so train / plan / validate / launch.sh take it), refused
+with one `error:` line where it would change the maths, and trains to exactly the losses of
+the same recipe written natively, at 1 process and on a tp=2 mesh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import cli_process, torchrun
+
+from dtensor3d.config import nanotron
+from dtensor3d.config.load import load_recipe, recipe_from_dict
+from dtensor3d.errors import RecipeError
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "tests" / "nanotron_configs" / "small_llama.yaml")
+LR = "optimizer.learning_rate_scheduler"
+MC = "model.model_config"
+# Shrinks small_llama.yaml (hidden 1024, 12 layers, dp 2 x tp 4) to a few CPU steps, in nanotron's spelling.
+SHRINK = [
+    f"{MC}.hidden_size=64",
+    f"{MC}.intermediate_size=128",
+    f"{MC}.num_hidden_layers=2",
+    f"{MC}.num_attention_heads=4",
+    f"{MC}.num_key_value_heads=2",
+    f"{MC}.max_position_embeddings=64",
+    f"{MC}.vocab_size=250",  # padded to 256: make_vocab_size_divisible_by 8 x tp
+    "model.make_vocab_size_divisible_by=8",
+    "model.dtype=float32",
+    "tokens.sequence_length=32",
+    "tokens.micro_batch_size=1",
+    "tokens.batch_accumulation_per_replica=2",
+    "tokens.train_steps=4",
+    f"{LR}.lr_warmup_steps=1",
+    f"{LR}.lr_decay_steps=3",
+    "parallelism.dp=1",
+    "parallelism.tp=1",
+]
+# What SHRINK + small_llama.yaml means, written as a recipe by hand.
+NATIVE = {
+    "model": {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "parallelism": {
+        "dp": 1,
+        "tp": 1,
+        "pp": 1,
+        "cp": 1,
+        "ep": 1,
+        "pp_engine": "1f1b",
+        "tp_mode": "REDUCE_SCATTER",
+        "tp_linear_async_communication": True,
+        "recompute_layer": False,
+        "dp_mode": "shard",
+    },
+    "training": {
+        "steps": 4,
+        "seed": 1234,
+        "sequence_length": 32,
+        "global_batch_size": 2,
+        "micro_batch_size": 1,
+        "dtype": "float32",
+    },
+    "optimizer": {
+        "lr": 3e-4,
+        "weight_decay": 0.0,
+        "betas": [0.9, 0.95],
+        "eps": 1e-8,
+        "clip_grad": 1.0,
+        "warmup_steps": 1,
+        "decay": "cosine",
+        "min_lr": 3e-5,
+    },
+    "data": {"kind": "synthetic"},
+    "checkpoint": {"dir": "checkpoints/small_llama", "interval": 500, "resume": "auto"},
+    "logging": {"every": 1},
+}
+
+
+def raw_config() -> dict:
+    with open(CONFIG) as f:
+        return yaml.safe_load(f)
+
+
+def shrink(*extra: str) -> list[str]:
+    """SHRINK with `extra` replacing or adding keys (a key is given once on a command line)."""
+    given = dict(text.split("=", 1) for text in SHRINK) | dict(text.split("=", 1) for text in extra)
+    return [f"{k}={v}" for k, v in given.items()]
+
+
+def convert(raw: dict, overrides: list[str]):
+    """(Recipe, Conversion) of a nanotron config, as load_recipe builds it."""
+    conv = nanotron.convert(raw, overrides)
+    return recipe_from_dict(conv.fields, conv.recipe_overrides, strict=True), conv
+
+
+def test_every_field_maps_onto_the_native_recipe():
+    recipe, conv = convert(raw_config(), SHRINK)
+    assert recipe == recipe_from_dict(NATIVE)
+    assert conv.sources["training.global_batch_size"].startswith("tokens.micro_batch_size * batch_accumulation")
+    assert "padded to a multiple of make_vocab_size_divisible_by*tp = 8" in conv.sources["model.vocab_size"]
+    assert conv.sources["training.steps"] == "tokens.train_steps (override)"
+    assert "general.project" in conv.ignored and "tokenizer.tokenizer_name_or_path" in conv.ignored
+    assert not any(key.startswith("general.step") for key in conv.ignored)  # null values are not listed
+
+
+def test_profiler_schedule_maps_onto_profile_steps():
+    prof = ["profiler.profiler_export_path=./tb_logs", "profiler.skip_first=1", "profiler.active=2"]
+    # 0-based: step 0 skipped, 1 wait, 2 warmup, 3 and 4 recorded: 1-based steps 4 and 5.
+    recipe, _ = convert(raw_config(), shrink(*prof, "tokens.train_steps=6", f"{LR}.lr_decay_steps=5"))
+    assert recipe.logging.profile_steps == (4, 5)
+    assert convert(raw_config(), SHRINK)[0].logging.profile_steps is None  # profiler: null
+    with pytest.raises(RecipeError, match=r"profiler=.* profiles steps 4\.\.5, past tokens.train_steps=4"):
+        convert(raw_config(), shrink(*prof))
+
+
+def test_overrides_in_either_spelling():
+    nano, _ = convert(
+        raw_config(), shrink(f"{LR}.learning_rate=0.002", "tokens.train_steps=6", f"{LR}.lr_decay_steps=5")
+    )
+    base = [text for text in shrink(f"{LR}.lr_decay_steps=5") if not text.startswith("tokens.train_steps=")]
+    native, conv = convert(raw_config(), base + ["optimizer.lr=0.002", "training.steps=6"])
+    assert nano == native and native.optimizer.lr == 0.002 and native.training.steps == 6
+    assert conv.sources["optimizer.lr"] == "optimizer.learning_rate_scheduler.learning_rate (override)"
+    assert (
+        convert(raw_config(), shrink("logging.run_dir=r"))[1].sources["logging.run_dir"] == "override logging.run_dir=r"
+    )
+    # tp in nanotron's spelling re-pads the vocabulary (250 -> a multiple of 100 * 2) as nanotron would.
+    tp2, _ = convert(raw_config(), shrink("parallelism.tp=2", "model.make_vocab_size_divisible_by=100"))
+    assert tp2.model.vocab_size == 400 and tp2.parallelism.tp == 2
+    # One key, two spellings or twice: refused, as in a file.
+    for twice in (["training.steps=6", "tokens.train_steps=6"], ["tokens.train_steps=5", "tokens.train_steps=6"]):
+        with pytest.raises(RecipeError, match="tokens.train_steps is also set by"):
+            convert(raw_config(), shrink(*twice[:1]) + twice[1:])
+
+
+@pytest.mark.parametrize(
+    "overrides, expect",
+    [
+        (
+            [f"{MC}.hidden_act=gelu", f"{MC}.rope_scaling={{type: linear, factor: 2.0}}"],
+            ["hidden_act='gelu'", "rope_scaling="],
+        ),
+        (["optimizer.optimizer_factory.name=sgd", f"{MC}.attention_bias=true"], ["name='sgd'", "attention_bias=True"]),
+        ([f"{LR}.lr_decay_style=1-sqrt"], ["lr_decay_style='1-sqrt'", "valid: cosine, linear"]),
+        ([f"{LR}.lr_decay_steps=2"], ["lr_decay_steps=2", "train_steps - lr_warmup_steps = 3"]),
+        (["model.dtype=float16"], ["model.dtype='float16'"]),
+        (["data_stages.0.data.dataset={hf_dataset_or_datasets: stas/openwebtext-10k}"], ["prepare-data"]),
+        ([f"{MC}.hiden_size=3"], ["hiden_size", "did you mean 'hidden_size'"]),
+    ],
+)
+def test_refused_with_one_error_line(overrides, expect):
+    proc = cli_process("validate", CONFIG, *shrink(*overrides))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for text in expect:
+        assert text in lines[0]
+
+
+def test_unknown_key_in_the_file(tmp_path):
+    raw = raw_config()
+    raw["tokens"]["train_step"] = 3
+    raw["general"]["projekt"] = "x"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(
+        RecipeError,
+        match=r"unknown keys general.projekt \(did you mean 'project'\?\), "
+        r"tokens.train_step \(did you mean 'train_steps'\?\)$",
+    ):
+        load_recipe(str(path))
+
+
+def test_data_override_in_recipe_spelling_replaces_the_stage(tmp_path):
+    tokens = tmp_path / "ids.bin"
+    tokens.write_bytes(bytes(4000))
+    hf = "data_stages.0.data.dataset={hf_dataset_or_datasets: stas/openwebtext-10k}"
+    recipe, _ = convert(raw_config(), shrink(hf, "data.kind=tokens", f"data.path={tokens}"))
+    assert recipe.data.kind == "tokens" and recipe.data.path == str(tokens)
+
+
+def test_convert_prints_a_commented_recipe_that_loads_as_the_same(tmp_path):
+    proc = cli_process("convert-nanotron", CONFIG, *SHRINK, "logging.run_dir=runs/x")
+    assert proc.returncode == 0, proc.stderr
+    warning = proc.stderr.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith("warning: ") and "general.project" in warning[0]
+    body = [line for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert body and all("  # " in line for line in body)  # a comment on every field
+    assert "  steps: 4  # tokens.train_steps (override)" in proc.stdout
+    out = tmp_path / "recipe.yaml"
+    out.write_text(proc.stdout)
+    assert load_recipe(str(out)) == load_recipe(CONFIG, SHRINK + ["logging.run_dir=runs/x"])
+    assert cli_process("convert-nanotron", str(out)).returncode == 2  # a recipe is not a nanotron config
+
+
+def test_validate_and_plan_take_a_nanotron_config():
+    proc = cli_process("validate", CONFIG)
+    assert proc.returncode == 0 and proc.stdout.strip() == "8", proc.stderr  # dp 2 x tp 4
+    assert len(proc.stderr.strip().splitlines()) == 1  # the warning, once
+    proc = cli_process("plan", CONFIG, "--json", "parallelism.context_parallel_size=2")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["dims"] == {"ep": 1, "pp": 1, "dp": 2, "cp": 2, "tp": 4}
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trains_like_the_native_recipe_at_world_1(tmp_path):
+    native = tmp_path / "native.yaml"
+    native.write_text(yaml.safe_dump(NATIVE))
+    common = ["training.device=cpu", f"checkpoint.dir={tmp_path / 'ck'}"]
+    proc = cli_process("train", CONFIG, *SHRINK, *common, "checkpoint.resume=none", f"logging.run_dir={tmp_path / 'a'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum(line.startswith("warning: ") for line in proc.stderr.splitlines()) == 1
+    proc = cli_process("train", str(native), *common, "checkpoint.resume=none", f"logging.run_dir={tmp_path / 'b'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == 4 and a == b and a[-1] < a[0]
+
+
+def test_trains_like_the_native_recipe_on_tp2(tmp_path):
+    """launch.sh takes the nanotron config (2 processes from its tp=2); torchrun the recipe."""
+    native = tmp_path / "native.yaml"
+    native.write_text(yaml.safe_dump(NATIVE))
+    mesh = ["parallelism.tp=2", "training.device=cpu", "checkpoint.resume=none", f"checkpoint.dir={tmp_path / 'ck'}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    launch = ["bash", "launch.sh", CONFIG, *shrink(*mesh), f"logging.run_dir={tmp_path / 'a'}"]
+    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(2, ["-m", "dtensor3d", "train", str(native), *mesh, f"logging.run_dir={tmp_path / 'b'}"])
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == 4 and a == b

@@ -1,0 +1,226 @@
+"""Data errors at the door, through the real command line: validate (what launch.sh runs),
+train and launch.sh each print one `error:` line, exit 2, start nothing, write nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import PARITY, ROOT, one_error_line
+
+from dtensor3d.__main__ import main
+
+NO_EVAL = "training.eval_every=0"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def refused(path, *extra: str, commands=("validate", "train")) -> str:
+    """The one error line of each command (all the same); no run directory is created."""
+    lines = set()
+    for command in commands:
+        run_dir = f"{path}.run"
+        args = [PARITY, "data.kind=tokens", f"data.path={path}", f"logging.run_dir={run_dir}", *extra]
+        lines.add(one_error_line(run(sys.executable, "-m", "dtensor3d", command, *args)))
+        assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+    assert len(lines) == 1, lines
+    return lines.pop()
+
+
+def test_ids_beyond_the_vocabulary_under_tp2_via_launch(tmp_path):
+    """Issue 15 item 1: ids up to 999 with vocab_size 256 trained silently at tp 2."""
+    np.save(tmp_path / "ids.npy", np.arange(4096, dtype=np.int64) % 1000)
+    proc = run(
+        "bash",
+        "launch.sh",
+        PARITY,
+        "data.kind=tokens",
+        f"data.path={tmp_path / 'ids.npy'}",
+        NO_EVAL,
+        "parallelism.tp=2",
+    )
+    line = one_error_line(proc)
+    assert "0..999" in line and "model.vocab_size=256" in line, line
+    assert "0..999" in refused(tmp_path / "ids.npy", NO_EVAL)
+
+
+@pytest.mark.parametrize(
+    "name,content,needle",
+    [
+        ("float.npy", np.arange(100) + 0.7, "dtype float64"),
+        ("bool.npy", np.ones(100, bool), "dtype bool"),
+        ("two.npy", np.zeros((4, 50), np.int64), "2-D"),
+        ("empty.npy", np.zeros(0, np.int64), "holds 0 tokens"),
+        ("short.npy", np.zeros(32, np.int32), "holds 32 tokens, fewer than one sample"),
+        ("neg.npy", np.full(100, -1, np.int64), "-1..-1"),
+        ("odd.bin", b"\x01\x00\x02", "odd"),
+        ("short.bin", b"\x01\x00" * 10, "holds 10 tokens"),
+        ("text.txt", "some text\n" * 100, "prepare-data"),
+        ("text.npy", "some text\n" * 100, "not a readable .npy"),
+        ("nope.npy", None, "no such file or directory"),
+    ],
+)
+def test_bad_token_files(tmp_path, name, content, needle):
+    path = tmp_path / name
+    if isinstance(content, np.ndarray):
+        np.save(path, content)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif isinstance(content, str):
+        path.write_text(content)
+    line = refused(path, NO_EVAL)
+    assert needle in line and str(path) in line, line
+
+
+def test_a_single_token_file_has_no_validation_split(tmp_path):
+    np.save(tmp_path / "ok.npy", np.arange(4096, dtype=np.int64) % 256)
+    assert "training.eval_every" in refused(tmp_path / "ok.npy", commands=("validate",))
+
+
+def test_data_path_with_synthetic_data_is_refused(tmp_path):
+    proc = run(sys.executable, "-m", "dtensor3d", "validate", PARITY, f"data.path={tmp_path / 'x.npy'}")
+    assert "data.kind is 'synthetic'" in one_error_line(proc)
+
+
+@pytest.fixture(scope="module")
+def prepared_once(tmp_path_factory):
+    """One prepared directory (byte tokenizer: vocabulary 257; 30 documents, 7,030 training
+    tokens, none held out at --val-fraction 0.005) that each case below copies and breaks."""
+    root = tmp_path_factory.mktemp("prepared")
+    (root / "in").mkdir()
+    for i in range(30):
+        (root / "in" / f"{i}.txt").write_text(f"document {i} " * 20)
+    out = root / "data"
+    assert main(["prepare-data", str(root / "in"), "--out", str(out), "--tokenizer", "byte", "--no-progress"]) == 0
+    return out
+
+
+def _flip_last_byte(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, other bytes
+
+
+def _write(name: str, text: str):
+    return lambda d: (d / name).write_text(text)
+
+
+def _truncate(name: str):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:-2])
+
+
+VOCAB = "model.vocab_size=264"
+# Issue 10 item 2, one failure at a time: (id, how to break the copy, overrides, words of the
+# error line, the key or file it must name ("{d}": the directory), the commands that refuse).
+# The sha256 is only read by validate (and launch.sh, which runs it); train checks sizes.
+LAUNCH, CHECKS = ("validate", "train", "launch.sh"), ("validate", "launch.sh")
+DIR_CASES = [
+    ("dir_missing", "missing", [VOCAB, NO_EVAL], "no such file or directory", "data.path '{d}'", LAUNCH),
+    ("meta_missing", lambda d: (d / "meta.json").unlink(), [VOCAB, NO_EVAL], "no meta.json", "{d}", LAUNCH),
+    ("meta_bad_json", _write("meta.json", "{not json"), [VOCAB, NO_EVAL], "unreadable", "{d}/meta.json", LAUNCH),
+    (
+        "meta_no_splits",
+        _write("meta.json", '{"vocab_size": 257, "dtype": "uint16"}'),
+        [VOCAB, NO_EVAL],
+        "unreadable (KeyError",
+        "{d}/meta.json",
+        LAUNCH,
+    ),
+    (
+        "shard_size",
+        _truncate("train_00000.bin"),
+        [VOCAB, NO_EVAL],
+        "bytes, but meta.json records",
+        "{d}/train_00000.bin",
+        LAUNCH,
+    ),
+    (
+        "offsets_size",
+        _truncate("train_docs.bin"),
+        [VOCAB, NO_EVAL],
+        "bytes, but meta.json records",
+        "{d}/train_docs.bin",
+        LAUNCH,
+    ),
+    (
+        "shard_missing",
+        lambda d: (d / "train_00000.bin").unlink(),
+        [VOCAB, NO_EVAL],
+        "train_00000.bin is missing",
+        "{d}",
+        LAUNCH,
+    ),
+    (
+        "shard_sha256",
+        lambda d: _flip_last_byte(d / "train_00000.bin"),
+        [VOCAB, NO_EVAL],
+        "sha256 differs",
+        "{d}/train_00000.bin",
+        CHECKS,
+    ),
+    ("vocab_too_large", None, [NO_EVAL], "257 tokens, more than model.vocab_size=256", "model.vocab_size", LAUNCH),
+    (
+        "fewer_than_one_sample",
+        None,
+        [VOCAB, NO_EVAL, "training.sequence_length=8192", "model.max_position_embeddings=100000"],
+        "holds 7030 training tokens, fewer than one sample",
+        "training.sequence_length",
+        LAUNCH,
+    ),
+    ("no_validation_windows", None, [VOCAB], "fewer validation tokens", "data.validation", CHECKS),
+]
+
+
+def refuse_each(data, extra, commands, run_dir, capsys) -> str:
+    """Each command's one error line (all equal): validate and train in this process, launch.sh
+    as users run it. The run directory, holding an earlier run's metrics.jsonl, is left as it
+    was; launch.sh prints nothing on stdout (no process count, so no torchrun)."""
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    ckpt = run_dir.parent / "ck"  # refused data creates no checkpoint directory either
+    args = [PARITY, "data.kind=tokens", f"data.path={data}", f"logging.run_dir={run_dir}", f"checkpoint.dir={ckpt}"]
+    args += extra
+    lines = set()
+    for command in commands:
+        if command == "launch.sh":
+            proc = run("bash", "launch.sh", *args)
+            lines.add(one_error_line(proc))
+            assert proc.stdout == "", proc.stdout[-2000:]
+        else:
+            capsys.readouterr()
+            assert main([command, *args]) == 2, command
+            captured = capsys.readouterr()
+            err = captured.err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("error: ") and captured.out == "", (command, captured)
+            lines.add(err[0])
+        assert os.listdir(run_dir) == ["metrics.jsonl"] and not ckpt.exists(), command
+        assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    assert len(lines) == 1, lines
+    return lines.pop()
+
+
+@pytest.mark.parametrize("name,breaks,extra,needle,names,commands", DIR_CASES, ids=[c[0] for c in DIR_CASES])
+def test_prepared_directory_problem(prepared_once, tmp_path, capsys, name, breaks, extra, needle, names, commands):
+    data = tmp_path / "data"
+    if breaks != "missing":
+        shutil.copytree(prepared_once, data)
+        if breaks is not None:
+            breaks(data)
+    before = {p.name: p.read_bytes() for p in data.iterdir()} if data.exists() else None
+    line = refuse_each(data, extra, commands, tmp_path / "run", capsys)
+    assert needle in line and names.format(d=data) in line, line
+    after = {p.name: p.read_bytes() for p in data.iterdir()} if data.exists() else None
+    assert after == before  # the data directory is only read
+
+
+def test_meta_records_what_the_door_reads(prepared_once):
+    meta = json.loads((prepared_once / "meta.json").read_text())
+    assert meta["max_token_id"] < meta["vocab_size"] == 257
+    assert meta["splits"]["train"]["tokens"] == 7030 and meta["splits"]["val"]["tokens"] == 0

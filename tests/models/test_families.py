@@ -1,0 +1,140 @@
+"""Model families (llama with Llama 3.1 RoPE scaling, qwen2, qwen3, mistral): a tiny random
+transformers model of each, every parameter moved away from its init (biases and norm weights
+too) and rope_theta not 10000, gives our logits (load_model on its directory) to 1e-5
+relative; import-hf -> export-hf loads back into AutoModelForCausalLM with no missing or
+unexpected keys and the same logits; greedy generation with our KV cache equals transformers'
+generate(do_sample=False) token for token. In-process, about a second per family."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dtensor3d.__main__ import main
+from dtensor3d.checkpoint import load_model
+from dtensor3d.generate import generate_ids
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=123456.0,
+    tie_word_embeddings=False,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+)
+FAMILIES = {
+    # family: (config class, extra config, what must show in the parameter names)
+    "llama3": (
+        "LlamaConfig",
+        dict(rope_parameters={**LLAMA3_ROPE, "rope_theta": 123456.0}, attention_bias=True, mlp_bias=True),
+        "mlp.down_proj.bias",
+    ),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, rope_theta=123456.0)
+        ),
+        "o_proj.weight",
+    ),
+    "qwen2": ("Qwen2Config", {}, "q_proj.bias"),
+    "qwen3": ("Qwen3Config", dict(head_dim=24), "k_norm.weight"),
+    "mistral": ("MistralConfig", dict(sliding_window=None), "o_proj.weight"),
+}
+
+
+def relative(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, transformers model, its directory, our checkpoint from import-hf, export-hf of it)."""
+    root = tmp_path_factory.mktemp(request.param)
+    config_cls, extra, must_have = FAMILIES[request.param]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**BASE, **extra))
+    hf = hf.float().eval()
+    names = [n for n, _ in hf.named_parameters()]
+    assert any(n.endswith(must_have) for n in names), names
+    with torch.no_grad():
+        for p in hf.parameters():  # biases off zero, norms off one: each tensor distinct
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(root / "hf")
+    assert main(["import-hf", str(root / "hf"), str(root / "ck")]) == 0
+    assert main(["export-hf", str(root / "ck"), str(root / "export")]) == 0
+    return request.param, hf, root
+
+
+def test_logits_equal_transformers(family):
+    _, hf, root = family
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))  # past 16 and 32 positions
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert relative(load_model(root / "hf")(ids), ref) <= 1e-5
+        assert relative(load_model(root / "ck")(ids), ref) <= 1e-5
+
+
+def test_export_loads_in_transformers_in_the_family(family):
+    name, hf, root = family
+    config = json.loads((root / "export" / "config.json").read_text())
+    assert config["model_type"] == hf.config.model_type
+    assert config["architectures"] == [type(hf).__name__]
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(
+        root / "export", output_loading_info=True, dtype=torch.float32
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(back) is type(hf)
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert relative(back.eval()(ids).logits, hf(ids).logits) <= 1e-5
+
+
+def test_greedy_generate_equals_transformers(family):
+    _, hf, root = family
+    ours = load_model(root / "ck")
+    for prompt in ([5, 17, 200, 3], [100]):
+        got = list(generate_ids(ours, prompt, 40, temperature=0.0))
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+        assert got == theirs[0, len(prompt) :].tolist()
+
+
+def test_mistral_window_refused_where_it_would_matter(tmp_path, capsys):
+    """A Mistral window imports (full attention is exact inside it); generation past it is
+    one error line (a recipe's window shorter than its sequence: test_recipe_errors)."""
+    from dtensor3d.datasets.tokenizer import byte_tokenizer
+
+    config = transformers.MistralConfig(**{**BASE, "vocab_size": 264}, sliding_window=32)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0
+    byte_tokenizer().save(str(tmp_path / "byte.json"))
+    capsys.readouterr()
+    argv = ["generate", str(tmp_path / "ck"), "--prompt", "hello", "--max-new-tokens", "40"]
+    assert main([*argv, "--tokenizer", str(tmp_path / "byte.json")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "sliding_window=32" in lines[0], lines
+
+
+def test_rope_read_in_both_spellings():
+    """transformers 5's rope_parameters and 4's rope_theta + rope_scaling (with 4's `type`) give one config."""
+    from dtensor3d.checkpoint.hf import config_from_hf, hf_config
+
+    v5 = transformers.LlamaConfig(**BASE, rope_parameters={**LLAMA3_ROPE, "rope_theta": 123456.0}).to_dict()
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4.update(rope_theta=123456.0, rope_scaling={**LLAMA3_ROPE, "type": "llama3"})
+    del v4["rope_scaling"]["rope_type"]
+    ours = config_from_hf(v5, "v5")
+    assert ours == config_from_hf(v4, "v4")
+    assert ours.rope_theta == 123456.0 and ours.rope_scaling == LLAMA3_ROPE
+    assert hf_config(ours)["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 123456.0}

@@ -1,0 +1,126 @@
+"""The MoE layer on one device, and expert-parallel dispatch against it."""
+
+import json
+from types import SimpleNamespace
+
+import torch
+from helpers import torchrun
+
+from dtensor3d.models.layers import ModelHooks
+from dtensor3d.models.moe import MoE, expert_matmul
+
+CFG = SimpleNamespace(
+    hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=0
+)
+
+
+def make_moe(seed=0, hooks=None):
+    torch.manual_seed(seed)
+    moe = MoE(CFG, hooks)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return moe
+
+
+def test_moe_matches_a_per_token_loop():
+    """Dropless top-2 routing with normalised weights, computed token by token."""
+    moe = make_moe()
+    x = torch.randn(3, 5, 16)
+    out = moe(x)
+    probs = torch.softmax(x.reshape(-1, 16) @ moe.gate.weight.T, dim=-1)
+    expected = []
+    for t, xt in enumerate(x.reshape(-1, 16)):
+        w, idx = probs[t].topk(2)
+        w = w / w.sum()
+        y = 0
+        for wi, e in zip(w, idx):
+            h = torch.nn.functional.silu(xt @ moe.experts.w1[e]) * (xt @ moe.experts.w3[e])
+            y = y + wi * (h @ moe.experts.w2[e])
+        expected.append(y)
+    torch.testing.assert_close(out.reshape(-1, 16), torch.stack(expected), rtol=1e-5, atol=1e-5)
+    assert int(moe.last_load.sum()) == 15 * 2  # every token routed twice, none dropped
+
+
+def test_balance_loss_is_mixtrals():
+    """E * sum_e f_e * P_e with f_e routed slots per token (Hugging Face Mixtral's formula)."""
+    moe = make_moe()
+    x = torch.randn(2, 6, 16)
+    moe(x)
+    probs = torch.softmax(x.reshape(-1, 16) @ moe.gate.weight.T, dim=-1)
+    chosen = probs.topk(2, dim=-1).indices
+    f = torch.nn.functional.one_hot(chosen, 4).float().mean(0).sum(0)
+    expected = 4 * (f * probs.mean(0)).sum()
+    torch.testing.assert_close(moe.last_aux, expected)
+
+
+def test_aux_loss_reaches_the_router_through_the_gradient():
+    moe = make_moe(hooks=ModelHooks(aux_loss_scale=0.5))
+    x = torch.randn(2, 6, 16)
+    out = moe(x)
+    torch.testing.assert_close(out, make_moe()(x))  # the forward output is unchanged
+    (out * 0).sum().backward()  # no gradient from the output: the router's is the aux term's alone
+    probe = make_moe()
+    probs = torch.softmax(x.reshape(-1, 16) @ probe.gate.weight.T, dim=-1)
+    f = torch.nn.functional.one_hot(probs.topk(2, dim=-1).indices, 4).float().mean(0).sum(0)
+    (0.5 * 4 * (f * probs.mean(0)).sum()).backward()
+    assert probe.gate.weight.grad.abs().max() > 0
+    torch.testing.assert_close(moe.gate.weight.grad, probe.gate.weight.grad)
+
+
+def test_grouped_mm_equals_loop():
+    x = torch.randn(11, 8, requires_grad=True)
+    w = torch.randn(3, 8, 12, requires_grad=True)  # rows of 48 bytes: grouped_mm wants 16-byte strides
+    counts = [4, 0, 7]
+    grads = []
+    for grouped in (False, True):
+        xi, wi = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = expert_matmul(xi, wi, counts, grouped)
+        y.sum().backward()  # an expanded (stride-0) gradient
+        grads.append((y.detach(), xi.grad, wi.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_expert_parallel_dispatch_matches_local():
+    out = torchrun(4, ["tests/dist_scripts/ep_dispatch.py"]).stdout
+    cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert {(c["ep"], c["forced"]) for c in cases} == {(2, False), (2, True), (4, False), (4, True)}
+    for c in cases:
+        assert max(c["max_errors"]) < 1e-5, c
+        assert c["experts_used"] == (2 if c["forced"] else 8), c
+
+
+def test_plan_lists_nanotrons_ep_groups():
+    """ep is the outermost axis: rank = ((((e * pp + p) * dp + d) * cp + c) * tp + t)."""
+    import itertools
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dtensor3d",
+            "plan",
+            "recipes/moe.yaml",
+            "--json",
+            "parallelism.ep=2",
+            "parallelism.pp=2",
+            "parallelism.dp=2",
+            "parallelism.tp=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    plan = json.loads(out.stdout)
+    ep, pp, dp, cp, tp = 2, 2, 2, 1, 2
+    assert plan["world_size"] == 16 and plan["dims"] == {"ep": ep, "pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    expected = []
+    for p, d, c, t in itertools.product(range(pp), range(dp), range(cp), range(tp)):
+        expected.append([(((e * pp + p) * dp + d) * cp + c) * tp + t for e in range(ep)])
+    assert sorted(plan["groups"]["ep"]) == sorted(expected)
+    assert [0, 8] in plan["groups"]["ep"]

@@ -1,0 +1,100 @@
+"""Context-parallel attention: exact against single-device attention, and balanced."""
+
+import json
+
+import pytest
+import torch
+from helpers import torchrun
+
+from dtensor3d.models.layers import causal_attention
+from dtensor3d.parallel.context import (
+    KERNELS,
+    attention_pairs,
+    cp_kernel,
+    flash_attention,
+    shard_sequence,
+    zigzag_positions,
+)
+
+
+def test_zigzag_layout():
+    # 2*cp chunks; rank i holds chunks i and 2*cp-1-i; together the ranks hold every position once.
+    assert zigzag_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for cp in (1, 2, 4, 8):
+        held = sorted(p for r in range(cp) for p in zigzag_positions(64, cp, r).tolist())
+        assert held == list(range(64))
+    x = torch.arange(32).reshape(2, 16)
+    assert shard_sequence(x, 2, 1).tolist() == [list(range(4, 12)), list(range(20, 28))]
+
+
+def test_causal_work_is_balanced():
+    for cp in (2, 4, 8):
+        pairs = attention_pairs(4096, cp)
+        assert max(pairs) / min(pairs) <= 1.05, pairs
+        assert sum(pairs) == 4096 * 4097 // 2  # every causal pair scored exactly once
+
+
+def test_kernel_switch():
+    # One switch, by device: the flash/log-sum-exp kernel where torch has it for CPU.
+    has_flash = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    assert cp_kernel(torch.device("cpu")) == ("flash" if has_flash else "masked")
+    assert cp_kernel(torch.device("cuda", 0)) == "masked"
+    assert cp_kernel(torch.device("meta")) == "masked"
+
+
+def _gathered(t, cp):
+    return torch.cat([shard_sequence(t, cp, r, dim=2) for r in range(cp)], dim=2)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_kernels_agree_on_gathered_keys(cp, kv_heads):
+    # Both kernels, in one process, on every rank's queries against the gathered keys (what
+    # cp_attention hands them after the all-gather): outputs and input gradients agree with
+    # single-device causal attention and with each other. The gathered K/V gradients,
+    # summed over ranks (the all-gather's backward), give the full dk, dv.
+    g = torch.Generator().manual_seed(10 * cp + kv_heads)
+    b, h, s, d = 2, 4, 32, 8
+    # q as the model makes it: a [b, s, h, d] tensor viewed as [b, h, s, d]
+    q = torch.randn(b, s, h, d, generator=g).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(b, h, s, d, generator=g)
+    ref = causal_attention(q, k, v)
+    (ref * w).sum().backward()
+    k_pos = torch.cat([zigzag_positions(s, cp, r) for r in range(cp)])
+    got = {}
+    for name, kernel in KERNELS.items():
+        kg, vg = (_gathered(t.detach(), cp).requires_grad_() for t in (k, v))
+        outs, dqs = [], []
+        for rank in range(cp):
+            ql = shard_sequence(q.detach(), cp, rank, dim=2).requires_grad_()
+            out = kernel(ql, kg, vg, q_pos=zigzag_positions(s, cp, rank), k_pos=k_pos, cp=cp, rank=rank)
+            (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
+            outs.append(out.detach())
+            dqs.append(ql.grad)
+        got[name] = [torch.cat(outs, dim=2), torch.cat(dqs, dim=2), kg.grad, vg.grad]
+        want = [_gathered(t, cp) for t in (ref.detach(), q.grad, k.grad, v.grad)]
+        for key, x, y in zip(("out", "dq", "dk", "dv"), got[name], want):
+            assert (x - y).abs().max() < 1e-5, (name, key, (x - y).abs().max())
+    for x, y in zip(got["flash"], got["masked"]):
+        assert (x - y).abs().max() < 1e-5
+
+
+def test_flash_kernel_checks_the_layout():
+    s, cp = 32, 2
+    k = torch.randn(1, 2, s, 8)
+    k_pos = torch.cat([zigzag_positions(s, cp, r) for r in range(cp)])
+    with pytest.raises(ValueError, match="zigzag"):
+        flash_attention(torch.randn(1, 2, s // cp, 8), k, k, q_pos=torch.arange(s // cp), k_pos=k_pos, cp=cp, rank=0)
+
+
+def test_cp_attention_matches_single_device():
+    out = torchrun(4, ["tests/dist_scripts/cp_attention.py"]).stdout
+    cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert {(c["cp"], c["kv_heads"], c["kernel"]) for c in cases} == {
+        (cp, kv, kernel) for cp in (2, 4) for kv in (4, 2) for kernel in KERNELS
+    }
+    for c in cases:
+        for key in ("out", "dq", "dk", "dv"):
+            assert c[key] < 1e-5, c

@@ -1,0 +1,165 @@
+"""Loss parity: every parallel configuration against the 1-process run of the same recipe,
+step by step (AdamW, fp32, CPU; 6 steps of microbatches of 2, helpers.SHORT, or the recipe's
+10 where a run is shared). Relative difference <= 1e-5 for loss and
+grad_norm at every step; tensor parallelism on this CPU typically lands near 1e-7."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from helpers import (
+    MESH_822,
+    PARITY,
+    QWEN2_DP2_TP2,
+    ROOT,
+    SAVES_AT_3_AND_6,
+    SAVES_AT_5_AND_10,
+    assert_parity,
+    check_comm,
+    check_layout,
+    scheduled_lrs,
+    short,
+    train_metrics,
+    world,
+)
+
+from dtensor3d.config.load import load_recipe
+
+CONFIGS = {
+    "dp2": ["parallelism.dp=2"],
+    "dp2_replicate": ["parallelism.dp=2", "parallelism.dp_mode=replicate"],
+    # tp alone: ALL_REDUCE at tp 4 (one kv head per rank), sequence parallel at tp 2. (tp 2
+    # ALL_REDUCE alone is left out: tp4 and the dp2_tp2 configurations below cover it.)
+    "tp2_reduce_scatter": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    "tp4": ["parallelism.tp=4", "parallelism.tp_mode=ALL_REDUCE"],
+    "pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_engine=1f1b"],
+    "pp2_afab": ["parallelism.pp=2", "parallelism.pp_engine=afab"],
+    "pp4_1f1b_8mb": ["parallelism.pp=4", "training.micro_batch_size=1"],
+    "tp2_pp2": ["parallelism.tp=2", "parallelism.pp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    "dp2_pp2": ["parallelism.dp=2", "parallelism.pp=2"],
+    "dp2_tp2_pp2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"],
+    # dp 2 x tp 2 runs with recompute and with tied embeddings (no plain dp2_tp2 run: suite time).
+    "dp2_tp2_recompute": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute_layer=true"],
+    "dp2_tp2_tied_embeddings": ["parallelism.dp=2", "parallelism.tp=2", "model.tie_word_embeddings=true"],
+    # Context parallelism (nanotron's key and the short alias).
+    "cp2": ["parallelism.context_parallel_size=2"],
+    "cp4": ["parallelism.cp=4"],
+    # cp x tp: ALL_REDUCE in dp2_cp2_tp2, REDUCE_SCATTER in pp2_dp2_cp2_tp2 (no 4-rank cp2_tp2 runs: suite time).
+    "cp2_dp2": ["parallelism.cp=2", "parallelism.dp=2"],
+    "cp2_dp2_replicate": ["parallelism.cp=2", "parallelism.dp=2", "parallelism.dp_mode=replicate"],
+    "cp2_pp2": ["parallelism.cp=2", "parallelism.pp=2"],
+    "cp2_recompute": ["parallelism.cp=2", "parallelism.recompute_layer=true"],
+    "dp2_cp2_tp2": ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2"],
+    # HSDP (dp_mode hybrid): FSDP within pairs of dp ranks, replicated across the pairs.
+    "dp4_hybrid": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2"],
+    "dp4_hybrid_tp2": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2", "parallelism.tp=2"],
+    "dp4_hybrid_pp2": [
+        *("parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2", "parallelism.pp=2"),
+        "training.micro_batch_size=1",  # two microbatches per dp rank for pp 2
+    ],
+    # Uneven stages (README: pp_layers, e.g. [3, 1]): layers 0-2 on stage 0, layer 3 on stage 1.
+    "pp2_uneven_layers": ["parallelism.pp=2", "parallelism.pp_layers=[3, 1]"],
+    "pp2_dp2_cp2_tp2": [
+        "parallelism.pp=2",
+        "parallelism.dp=2",
+        "parallelism.cp=2",
+        "parallelism.tp=2",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+    ],
+    # Model families (config/families.py): Qwen3's per-head q/k norms and head_dim 24 (not
+    # 64 / 8) at tp 2 (sequence parallel) x cp 2; Llama 3.1's RoPE scaling (past the
+    # original 8 positions) at cp 2 x pp 2, the zig-zag chunks' global positions scaled.
+    "qwen3_tp2_cp2_reduce_scatter": [
+        *("model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000"),
+        *("parallelism.tp=2", "parallelism.cp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
+    ],
+    "llama3_rope_cp2_pp2": [
+        "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+        "original_max_position_embeddings: 8}",
+        *("model.rope_theta=500000", "parallelism.cp=2", "parallelism.pp=2"),
+    ],
+    # Qwen2's q/k/v biases (column-parallel, split with their rows) at dp 2 x tp 2; its
+    # checkpoints resume on another mesh in test_checkpoint.
+    "qwen2_biases_dp2_tp2": QWEN2_DP2_TP2,
+}
+
+
+# Configurations whose run test_checkpoint also uses (conftest.shared_run): the same run, saving
+# checkpoints as it goes (saving leaves training bitwise unchanged: test_checkpoint).
+SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10, "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6}
+LONG = {"dp2_tp2_pp2"}  # keeps the recipe's 10 steps (its checkpoints at 5 and 10)
+assert CONFIGS["dp2_tp2_pp2"] == MESH_822
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parity(name, reference, shared_run, record_property):
+    # The shared run keeps the 10-step recipe (its checkpoints); the others run its short form.
+    overrides = CONFIGS[name] if name in LONG else short(CONFIGS[name])
+    got, root = shared_run(world(overrides), overrides + ["logging.layout=true"] + SHARED.get(name, []))
+    # Every rank holds every parameter as the plans promise (the parallelism is really on).
+    check_layout(root / "run", load_recipe(PARITY, overrides))
+    # ...and hands each collective the bytes the configuration implies (plan's estimate).
+    check_comm(root / "run", load_recipe(PARITY, overrides))
+    for key, rel in assert_parity(got, reference(overrides), scheduled_lrs(PARITY, overrides)).items():
+        record_property(f"max_rel_{key}", rel)  # shown with --junitxml
+    # The run learned something: the loss falls over the steps.
+    assert got[-1]["loss"] < got[0]["loss"]
+
+
+def launch(recipe: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    """`bash launch.sh RECIPE OVERRIDES` from the repository root, as the README runs it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable)
+    cmd = ["bash", "launch.sh", recipe, *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_parity_3d_recipe(tmp_path, record_property):
+    """`bash launch.sh recipes/3d.yaml` itself (dp4 x pp2 x tp2, 16 ranks; 6 steps instead of
+    30) against its 1-process run. The same run shows the README's outputs (metrics.jsonl's
+    fields, the resolved recipe.yaml, loss.svg, one console line per step) and that
+    tp_linear_async_communication is accepted, warned about on CPU and changes nothing."""
+    recipe = str(ROOT / "recipes" / "3d.yaml")
+    # eval_every 5: the validation loss at steps 5 and 6, which assert_parity compares too.
+    common = ["training.steps=6", "training.device=cpu", "training.eval_every=5", "training.eval_batches=1"]
+    ref = train_metrics(
+        tmp_path / "one", 1, common + ["parallelism.dp=1", "parallelism.pp=1", "parallelism.tp=1"], recipe
+    )
+    run = tmp_path / "sixteen"
+    given = [*common, "parallelism.tp_linear_async_communication=true", f"logging.run_dir={run}"]
+    proc = launch(recipe, given)
+    got = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for key, rel in assert_parity(got, ref, scheduled_lrs(recipe, common)).items():
+        record_property(f"max_rel_{key}", rel)
+    assert "tp_linear_async_communication has no effect on CPU" in proc.stderr, proc.stderr[-3000:]
+    check_outputs(run, got, proc.stdout, load_recipe(recipe, given))
+
+
+def check_outputs(run: Path, records: list[dict], stdout: str, recipe) -> None:
+    """README 'Outputs': metrics.jsonl's fields, recipe.yaml with the overrides, loss.svg, the console."""
+    tokens = recipe.training.global_batch_size * recipe.training.sequence_length
+    peaks = [r["peak_mem_gib"] for r in records]
+    for r in records:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "ms_per_step", "peak_mem_gib", "mfu"} <= set(r)
+        assert r["mfu"] is None  # GPU only
+        assert r["ms_per_step"] > 0
+        assert math.isclose(r["tokens_per_sec"] * r["ms_per_step"] / 1000, tokens, rel_tol=1e-9)
+    assert 0 < peaks[0] <= 24 and peaks == sorted(peaks), peaks  # a peak (resident set on CPU) only grows
+    assert load_recipe(str(run / "recipe.yaml")) == recipe and recipe.training.steps == 6  # 30 in the file
+    svg = ET.parse(run / "loss.svg").getroot()
+    lines = [e for e in svg.iter() if e.tag.endswith("polyline")]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert [len(e.get("points").split()) for e in lines] == [len(records)] + ([len(vals)] if vals else [])
+    every = vals + [r["loss"] for r in records]
+    labels = {e.text for e in svg.iter() if e.tag.endswith("text")}  # the loss axis: lowest and highest
+    assert {f"{min(every):.3f}", f"{max(every):.3f}"} <= labels, labels
+    logged = [int(m[1]) for m in re.finditer(r"^step\s+(\d+) \|", stdout, re.M)]
+    assert logged == [r["step"] for r in records] == list(range(1, 7)), stdout[-2000:]
