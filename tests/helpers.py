@@ -165,19 +165,32 @@ def tree_digest(root: Path) -> dict[str, str]:
 # ---------------------------------------------------------------- the lr schedule's formula
 # Written here independently of dtensor3d (config/lr.py), for the tests that check the lr a run used.
 def scheduled_lr(step: int, opt, total_steps: int) -> float:
-    """lr used by optimizer step `step` (0-based): linear warmup over warmup_steps reaching
-    the peak on the last warmup step, then cosine / linear decay from the peak toward
-    min_lr (reached at step total_steps, one past the last), or constant at the peak."""
+    """lr used by optimizer step `step` (0-based), warmup-stable-decay:
+    - warmup: linear over warmup_steps, reaching the peak on the last warmup step;
+    - stable: the peak until decay_start (null: the warmup's end);
+    - decay: from the peak toward min_lr over decay_steps (null: until step total_steps, one
+      past the last), cosine, linear or 1-sqrt (nanotron's: 1 - sqrt(progress));
+    - then min_lr. `constant` stays at the peak after warmup."""
     w = opt.warmup_steps
     if w and step < w:
         return opt.lr * (step + 1) / w
-    progress = min(1.0, (step - w) / max(1, total_steps - w))
+    if opt.decay == "constant":
+        return opt.lr
+    begin = w if getattr(opt, "decay_start", None) is None else opt.decay_start
+    n = getattr(opt, "decay_steps", None)
+    end = total_steps if n is None else begin + n
+    if step <= begin:
+        return opt.lr
+    if step >= end:
+        return opt.min_lr
+    progress = (step - begin) / (end - begin)
+    drop = opt.lr - opt.min_lr
     if opt.decay == "cosine":
-        return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1.0 + math.cos(math.pi * progress))
+        return opt.min_lr + 0.5 * drop * (1.0 + math.cos(math.pi * progress))
     if opt.decay == "linear":
-        return opt.lr - (opt.lr - opt.min_lr) * progress
-    assert opt.decay == "constant", opt.decay
-    return opt.lr
+        return opt.lr - drop * progress
+    assert opt.decay == "1-sqrt", opt.decay
+    return opt.lr - drop * math.sqrt(progress)
 
 
 def scheduled_lrs(recipe_path: str, overrides: list[str]) -> list[float]:

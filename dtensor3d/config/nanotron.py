@@ -132,36 +132,29 @@ def _optimizer(r: _Reader) -> Fields:
 
 
 def _schedule(r: _Reader) -> Fields:
-    """nanotron's LambdaLR: linear warmup, then cosine/linear decay over lr_decay_steps from
-    lr_decay_starting_step, then min_decay_lr. dtensor3d decays from the warmup's end to the
-    last step; other shapes are refused."""
+    """nanotron's LambdaLR: linear warmup, hold at learning_rate until lr_decay_starting_step
+    (null: warmup's end), cosine / linear / 1-sqrt decay over lr_decay_steps (null: to the last
+    step), then min_decay_lr: optimizer.decay_start, decay_steps, decay and min_lr."""
     s = "optimizer.learning_rate_scheduler"
-    lr, warmup, steps = (
-        r.get(f"{s}.learning_rate", REQUIRED),
-        r.get(f"{s}.lr_warmup_steps", 0),
-        r.get("tokens.train_steps", REQUIRED),
-    )
+    lr, warmup = r.get(f"{s}.learning_rate", REQUIRED), r.get(f"{s}.lr_warmup_steps", 0)
     if r.get(f"{s}.lr_warmup_style", "linear") != "linear" and warmup:
         raise _Refusal(f"{s}.lr_warmup_style", r.get(f"{s}.lr_warmup_style"), "warmup is linear")
     style = r.get(f"{s}.lr_decay_style", "linear")
-    if style not in ("cosine", "linear"):
-        raise _Refusal(f"{s}.lr_decay_style", style, "valid: cosine, linear")
-    start = r.get(f"{s}.lr_decay_starting_step")
-    if start is not None and start != warmup:
-        raise _Refusal(
-            f"{s}.lr_decay_starting_step", start, f"decay starts where warmup ends (lr_warmup_steps={warmup})"
-        )
-    decay = r.get(f"{s}.lr_decay_steps")
-    decay = steps - warmup - (start or 0) if decay is None else decay
-    if decay != steps - warmup:
-        raise _Refusal(
-            f"{s}.lr_decay_steps",
-            decay,
-            f"decay runs to the last step: train_steps - lr_warmup_steps = {steps - warmup}",
-        )
+    if style not in ("cosine", "linear", "1-sqrt"):
+        raise _Refusal(f"{s}.lr_decay_style", style, "valid: cosine, linear, 1-sqrt")
+    start, decay = r.get(f"{s}.lr_decay_starting_step"), r.get(f"{s}.lr_decay_steps")
+    if start is not None and not warmup <= start <= r.get("tokens.train_steps", REQUIRED):
+        raise _Refusal(f"{s}.lr_decay_starting_step", start, f"valid: lr_warmup_steps={warmup} to tokens.train_steps")
+    if decay is not None and decay < 1:
+        raise _Refusal(f"{s}.lr_decay_steps", decay, "valid: >= 1")
     min_lr = r.get(f"{s}.min_decay_lr")
     return {
-        "optimizer.decay": (style, f"{s}.lr_decay_style over lr_decay_steps={decay}"),
+        "optimizer.decay": (style, f"{s}.lr_decay_style"),
+        "optimizer.decay_start": (
+            start,
+            f"{s}.lr_decay_starting_step" + (" unset: warmup's end" if start is None else ""),
+        ),
+        "optimizer.decay_steps": (decay, f"{s}.lr_decay_steps" + (" unset: to the last step" if decay is None else "")),
         "optimizer.min_lr": (
             lr if min_lr is None else min_lr,
             f"{s}.min_decay_lr" + (" unset: learning_rate" if min_lr is None else ""),

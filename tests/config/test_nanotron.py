@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import cli_process, torchrun
+from helpers import cli_process, scheduled_lr, torchrun
 
 from dtensor3d.config import nanotron
 from dtensor3d.config.load import load_recipe, recipe_from_dict
@@ -86,6 +86,7 @@ NATIVE = {
         "warmup_steps": 1,
         "decay": "cosine",
         "min_lr": 3e-5,
+        "decay_steps": 3,
     },
     "data": {"kind": "synthetic"},
     "checkpoint": {"dir": "checkpoints/small_llama", "interval": 500, "resume": "auto"},
@@ -158,8 +159,9 @@ def test_overrides_in_either_spelling():
             ["hidden_act='gelu'", "rope_scaling="],
         ),
         (["optimizer.optimizer_factory.name=sgd", f"{MC}.attention_bias=true"], ["name='sgd'", "attention_bias=True"]),
-        ([f"{LR}.lr_decay_style=1-sqrt"], ["lr_decay_style='1-sqrt'", "valid: cosine, linear"]),
-        ([f"{LR}.lr_decay_steps=2"], ["lr_decay_steps=2", "train_steps - lr_warmup_steps = 3"]),
+        ([f"{LR}.lr_decay_style=inverse_sqrt"], ["lr_decay_style='inverse_sqrt'", "valid: cosine, linear, 1-sqrt"]),
+        ([f"{LR}.lr_decay_starting_step=0"], ["lr_decay_starting_step=0", "lr_warmup_steps=1"]),
+        ([f"{LR}.lr_decay_steps=0"], ["lr_decay_steps=0", ">= 1"]),
         (["model.dtype=float16"], ["model.dtype='float16'"]),
         (["data_stages.0.data.dataset={hf_dataset_or_datasets: stas/openwebtext-10k}"], ["prepare-data"]),
         ([f"{MC}.hiden_size=3"], ["hiden_size", "did you mean 'hidden_size'"]),
@@ -248,3 +250,39 @@ def test_trains_like_the_native_recipe_on_tp2(tmp_path):
     torchrun(2, ["-m", "dtensor3d", "train", str(native), *mesh, f"logging.run_dir={tmp_path / 'b'}"])
     a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert len(a) == 4 and a == b
+
+
+# Warmup-stable-decay in nanotron's spelling: warmup 1, stable until step 3, 1-sqrt decay over
+# 2 steps (shorter than the run), then min_decay_lr for the last step.
+WSD = [
+    "tokens.train_steps=6",
+    f"{LR}.lr_decay_starting_step=3",
+    f"{LR}.lr_decay_steps=2",
+    f"{LR}.lr_decay_style=1-sqrt",
+]
+
+
+def test_schedule_keys_map_onto_decay_start_and_decay_steps():
+    opt = convert(raw_config(), shrink(*WSD))[0].optimizer
+    assert (opt.decay, opt.decay_start, opt.decay_steps, opt.min_lr) == ("1-sqrt", 3, 2, 3e-5)
+    # unset: decay right after warmup, to the last step (the file's lr_decay_steps=980 replaced by null).
+    opt = convert(raw_config(), shrink("tokens.train_steps=6", f"{LR}.lr_decay_steps=null"))[0].optimizer
+    assert (opt.decay, opt.decay_start, opt.decay_steps) == ("cosine", None, None)
+    # a decay shorter than train_steps - lr_warmup_steps converts (it was refused before).
+    opt = convert(raw_config(), shrink("tokens.train_steps=6", f"{LR}.lr_decay_steps=2"))[0].optimizer
+    assert (opt.decay_start, opt.decay_steps) == (None, 2)
+
+
+def test_wsd_config_trains_through_launch_sh_at_the_formulas_lr(tmp_path):
+    """launch.sh, 1 process: each step's lr in metrics.jsonl equals tests/helpers.py's formula."""
+    mesh = ["training.device=cpu", "checkpoint.resume=none", f"checkpoint.dir={tmp_path / 'ck'}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    launch = ["bash", "launch.sh", CONFIG, *shrink(*WSD, *mesh), f"logging.run_dir={tmp_path / 'a'}"]
+    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    opt = convert(raw_config(), shrink(*WSD))[0].optimizer
+    want = [scheduled_lr(step, opt, 6) for step in range(6)]
+    assert [row["lr"] for row in rows] == pytest.approx(want, rel=1e-12, abs=0)
+    # warmup, stable, 1-sqrt down, then min_decay_lr held: the WSD shape itself.
+    assert want[0] == want[1] == want[2] == want[3] == 3e-4 and want[5] == 3e-5 and 3e-5 < want[4] < 3e-4
