@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..config.lr import lr_at
+from ..config.lr import keep_curve_advice, lr_at
 from ..errors import CheckpointError, UserError, is_rank0
 from .check import check_checkpoint, check_trajectory
 from .find import resume_target
@@ -98,16 +98,18 @@ def verify_hashes(step_dir: str, files: dict) -> None:
 
 def note_grown_steps(record: dict, recipe) -> None:
     """One `note:` line when training.steps grew since the save: the LR schedule's decay is
-    recomputed for the new length, so the next step's lr leaves the saved run's curve."""
-    saved = ((record.get("recipe") or {}).get("training") or {}).get("steps")
+    recomputed for the new length, so the next step's lr may leave the saved run's curve; the
+    line says which decay_start / decay_steps keep it (config/lr.keep_curve_advice)."""
+    saved_recipe = record.get("recipe") or {}
+    saved = (saved_recipe.get("training") or {}).get("steps")
     step, steps = int(record["step"]), recipe.training.steps
     if saved is None or steps <= saved or "next_lr" not in record:
         return
     lr = lr_at(step, recipe.optimizer, steps)
+    advice = keep_curve_advice(recipe.optimizer, saved_recipe.get("optimizer") or {}, saved, steps, step)
     print(
         f"note: training.steps grew from {saved} to {steps}: the LR schedule is recomputed for {steps} steps, so "
-        f"step {step} runs at lr {lr:.3e} where the saved run's next_lr was {record['next_lr']:.3e}; the "
-        f"{recipe.optimizer.decay} decay is stretched over the new length (optimizer.decay=constant keeps the lr)",
+        f"step {step} runs at lr {lr:.3e} where the saved run's next_lr was {record['next_lr']:.3e}; {advice}",
         file=sys.stderr,
         flush=True,
     )

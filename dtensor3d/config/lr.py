@@ -31,3 +31,25 @@ def lr_at(step: int, opt, total_steps: int) -> float:
         return opt.lr
     frac = min(1.0, (step - start) / length)
     return opt.min_lr + (opt.lr - opt.min_lr) * _SHAPES[opt.decay](frac)
+
+
+def keep_curve_advice(opt, saved: dict, saved_steps: int, steps: int, step: int) -> str:
+    """How to resume a run whose training.steps grew from saved_steps to steps without a jump
+    in the lr at `step`. `saved` is the saved recipe's optimizer section (decay_start and
+    decay_steps absent in older checkpoints: null). Before the saved decay began: move the same
+    decay to the new end (the stable phase grows); inside it: keep the saved decay window."""
+    if opt.decay == "constant":
+        return "optimizer.decay=constant keeps the lr"
+    start = saved.get("decay_start")
+    start = opt.warmup_steps if start is None else start
+    length = saved.get("decay_steps")
+    length = max(1, saved_steps - start) if length is None else length
+    if step < start and steps - length >= start:
+        return (
+            f"to extend the stable phase without a jump, move the saved decay to the new end: "
+            f"optimizer.decay_start={steps - length} optimizer.decay_steps={length}"
+        )
+    return (
+        f"to keep the saved run's curve (its decay, then min_lr), set "
+        f"optimizer.decay_start={start} optimizer.decay_steps={length}"
+    )

@@ -72,3 +72,48 @@ def test_decay_past_the_last_step_is_allowed():
     recipe = _recipe(20, decay="linear", decay_start=10, decay_steps=20)
     validate(recipe)
     assert lr_at(19, recipe.optimizer, 20) == pytest.approx(1e-3 - 0.45 * 9e-4)
+
+
+def _follow(advice: str, recipe, steps: int):
+    """The recipe with the advice's optimizer.* overrides applied, run for `steps`."""
+    import dataclasses
+    import re
+
+    given = {key: int(value) for key, value in re.findall(r"optimizer\.(\w+)=(\d+)", advice)}
+    assert set(given) == {"decay_start", "decay_steps"}, advice
+    return dataclasses.replace(recipe.optimizer, **given)
+
+
+@pytest.mark.parametrize("decay", ("cosine", "linear", "1-sqrt"))
+@pytest.mark.parametrize("start, length, step", [(60, 20, 30), (None, 20, 30), (60, 20, 70), (None, None, 50)])
+def test_grown_steps_advice_keeps_the_lr_without_a_jump(decay, start, length, step):
+    """A WSD run saved at `step` of 80, resumed with training.steps=120: following the note's
+    advice, the resumed lr at every step up to the old run's end equals the saved curve (stable
+    phase: the same decay shifted to the new end, same values over it)."""
+    from dtensor3d.config.lr import keep_curve_advice
+
+    old = _recipe(80, decay=decay, warmup_steps=10, decay_start=start, decay_steps=length)
+    saved = {"decay_start": start, "decay_steps": length}
+    advice = keep_curve_advice(old.optimizer, saved, 80, 120, step)
+    new = _follow(advice, old, 120)
+    validate(recipe_from_dict({"training": {"steps": 120}, "optimizer": dataclasses_dict(new)}))
+    old_start = 10 if start is None else start
+    old_len = 80 - old_start if length is None else length
+    if step < old_start:  # stable until the new start, then the saved decay's values
+        assert "extend the stable phase" in advice
+        assert all(lr_at(s, new, 120) == 1e-3 for s in range(step, new.decay_start + 1))
+        shift = new.decay_start - old_start
+        for s in range(old_start, old_start + old_len):
+            assert lr_at(s + shift, new, 120) == lr_at(s, old.optimizer, 80)
+    else:  # already decaying: the saved curve, then min_lr
+        assert "keep the saved run's curve" in advice
+        assert [lr_at(s, new, 120) for s in range(step, 80)] == [lr_at(s, old.optimizer, 80) for s in range(step, 80)]
+        assert lr_at(119, new, 120) == 1e-4
+
+
+def dataclasses_dict(opt) -> dict:
+    import dataclasses
+
+    d = dataclasses.asdict(opt)
+    d["betas"] = list(d["betas"])
+    return d

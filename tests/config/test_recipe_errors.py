@@ -182,6 +182,12 @@ CASES = [
     Case("enum-dp-mode", ("dp_mode='zero3'", "shard", "replicate"), edit={"parallelism.dp_mode": "zero3"}),
     Case("enum-dtype", ("dtype='float16'", "bfloat16"), edit={"training.dtype": "float16"}),
     Case("enum-decay", ("decay='exponential'", "cosine"), edit={"optimizer.decay": "exponential"}),
+    Case(
+        "decay-start-past-steps",
+        ("optimizer.decay_start=10000", "training.steps"),
+        edit={"optimizer.decay_start": 10000},
+    ),
+    Case("decay-steps-zero", ("optimizer.decay_steps=0", ">= 1"), edit={"optimizer.decay_steps": 0}, command="launch"),
     Case("enum-device", ("device='gpu'", "cuda"), edit={"training.device": "gpu"}),
     # -- nanotron's long names against the short ones
     Case(
@@ -715,7 +721,7 @@ def test_explain_every_key_and_alias(capsys):
         canon = f"{key.split('.')[0]}.{ALIASES.get(tuple(key.split('.')), key.split('.')[1])}"
         assert out[0].startswith(f"{canon}: ") and out[1].startswith("  type: ") and out[2].startswith("  default: ")
     assert main(["validate", "--explain", "optimizer.decay"]) == 0
-    assert "type: one of cosine, linear, constant" in capsys.readouterr().out
+    assert "type: one of cosine, linear, 1-sqrt, constant" in capsys.readouterr().out
     assert main(["validate", "--explain", "training.stepz"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean 'training.steps'?" in err[0]
