@@ -7,14 +7,16 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import sys
 from typing import Any
 
 import yaml
 
-from ..errors import RecipeError
+from ..errors import RecipeError, is_rank0
 from . import nanotron, nanotron_keys
 from .checks import validate
 from .fields import choices_of, unwrap_optional
+from .lr import decay_past_end
 from .schema import _SECTION_CLASSES, ALIASES, ENUMS, EXPERT_ONLY, NON_EMPTY, SECTIONS, TYPES, Recipe
 
 
@@ -254,13 +256,23 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_si
     """Read, override and validate a recipe (or a nanotron config, mapped by nanotron.py).
     Raises RecipeError with one line."""
     raw = _read_yaml(path)
+    conv = None
     if nanotron_keys.is_nanotron(raw):
         recipe, conv = _from_nanotron(raw, overrides)
-        nanotron.warn(conv)
     else:
         recipe = recipe_from_dict(raw, overrides, strict=True)
     validate(recipe, world_size)
+    _warn(recipe, conv)
     return recipe
+
+
+def _warn(recipe: Recipe, conv: nanotron.Conversion | None) -> None:
+    """One warning line per job (rank 0, or outside torchrun): the nanotron keys ignored or
+    approximated, and a decay the user wrote that ends past training.steps."""
+    parts = [nanotron.warning_line(conv) if conv else None, decay_past_end(recipe.optimizer, recipe.training.steps)]
+    text = "; ".join(part.removeprefix("warning: ") for part in parts if part)
+    if text and is_rank0():
+        print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def _from_nanotron(raw: dict[str, Any], overrides) -> tuple[Recipe, nanotron.Conversion]:

@@ -53,3 +53,18 @@ def keep_curve_advice(opt, saved: dict, saved_steps: int, steps: int, step: int)
         f"to keep the saved run's curve (its decay, then min_lr), set "
         f"optimizer.decay_start={start} optimizer.decay_steps={length}"
     )
+
+
+def decay_past_end(opt, total_steps: int) -> str | None:
+    """The warning's text when the decay the user wrote (decay_start + decay_steps) ends past
+    training.steps: allowed, the run stops part-way down it. None otherwise."""
+    if opt.decay == "constant" or opt.decay_steps is None:
+        return None
+    start, length = decay_window(opt, total_steps)
+    if start + length <= total_steps:
+        return None
+    return (
+        f"optimizer.decay_start={start} + decay_steps={length} ends the decay at step {start + length}, "
+        f"past training.steps={total_steps}: the run stops part-way down it, at lr "
+        f"{lr_at(total_steps - 1, opt, total_steps):.3e} (min_lr={opt.min_lr:g})"
+    )

@@ -13,13 +13,12 @@ onto recipe fields (`convert`) and writes the converted recipe. Never imports to
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from ..errors import RecipeError, is_rank0
+from ..errors import RecipeError
 from .nanotron_keys import (
     APPROXIMATED,
     DIRECT,
@@ -326,10 +325,3 @@ def recipe_yaml(conv: Conversion, recipe_dict: dict, source: str) -> str:
             why = conv.sources.get(f"{section}.{key}", "dtensor3d's default (no nanotron key)")
             lines.append(f"  {key}: {_scalar(value)}  # {why}")
     return "\n".join(lines) + "\n"
-
-
-def warn(conv: Conversion) -> None:
-    """Print the warning line once per job (rank 0, or outside torchrun)."""
-    line = warning_line(conv)
-    if line and is_rank0():
-        print(line, file=sys.stderr, flush=True)

@@ -117,3 +117,17 @@ def dataclasses_dict(opt) -> dict:
     d = dataclasses.asdict(opt)
     d["betas"] = list(d["betas"])
     return d
+
+
+def test_decay_past_the_last_step_is_said_in_one_warning_line():
+    """validate (a real process): exit 0, stdout the world size, stderr one warning line naming
+    the decay's end and training.steps; the defaults (decay to the last step) warn nothing."""
+    from helpers import PARITY, cli_process
+
+    proc = cli_process("validate", PARITY, "optimizer.decay_start=6", "optimizer.decay_steps=8")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: "), proc.stderr
+    assert "ends the decay at step 14, past training.steps=10" in lines[0], lines[0]
+    proc = cli_process("validate", PARITY, "optimizer.decay_start=6", "optimizer.decay_steps=4")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr

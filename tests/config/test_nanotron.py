@@ -271,6 +271,11 @@ def test_schedule_keys_map_onto_decay_start_and_decay_steps():
     # a decay shorter than train_steps - lr_warmup_steps converts (it was refused before).
     opt = convert(raw_config(), shrink("tokens.train_steps=6", f"{LR}.lr_decay_steps=2"))[0].optimizer
     assert (opt.decay_start, opt.decay_steps) == (None, 2)
+    # a decay past train_steps runs (stopping part-way down it), said in the one warning line.
+    proc = cli_process("validate", CONFIG, *shrink(*WSD, f"{LR}.lr_decay_steps=5"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0 and len(lines) == 1 and lines[0].startswith("warning: "), proc.stderr
+    assert "general.project" in lines[0] and "ends the decay at step 8, past training.steps=6" in lines[0]
 
 
 def test_wsd_config_trains_through_launch_sh_at_the_formulas_lr(tmp_path):
