@@ -16,7 +16,8 @@ import tempfile
 
 import torch
 
-from ..config.families import ACTIVATIONS, BY_MODEL_TYPE, FAMILIES, rope_problem
+from ..config.families import FAMILIES
+from ..config.hf_config import hf_model_values, read_config_json
 from ..config.load import recipe_from_dict
 from ..config.schema import ModelConfig, Recipe
 from ..errors import CheckpointError, RecipeError
@@ -26,7 +27,6 @@ from .check import check_checkpoint, expected_shapes, model_config
 from .find import resolve
 from .format import STATE, check_tensors, publish, read_header, read_json, save_tensors, seal, step_name, write_atomic
 from .hf_names import (
-    HF_DEFAULTS,
     HF_INDEX,
     HF_SINGLE,
     LLAMA_KEYS,
@@ -41,61 +41,9 @@ from .slices import SliceReader, read_into_
 # ---------------------------------------------------------------- config.json
 
 
-def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
-    """Refuse what these families cannot run, naming the config key."""
-
-    def refuse(key: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {key}={hf.get(key)!r}: {why}")
-
-    if kind not in BY_MODEL_TYPE:
-        raise refuse("model_type", f"supported model_type: {', '.join(BY_MODEL_TYPE)}")
-    if kind == "mixtral" and hf.get("router_jitter_noise", 0.0):
-        raise refuse("router_jitter_noise", "router noise is not supported; use 0.0")
-    if hf.get("hidden_act", "silu") not in ACTIVATIONS:
-        raise refuse("hidden_act", f"supported: {', '.join(ACTIVATIONS)} (SwiGLU)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key) and key not in FAMILIES[BY_MODEL_TYPE[kind]].biases:
-            raise refuse(key, f"not supported for model_type {kind!r}")
-    if hf.get("attention_dropout", 0.0):
-        raise refuse("attention_dropout", "dropout is not supported; use 0.0")
-
-
-def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from transformers 5's rope_parameters or 4's rope_theta and
-    rope_scaling; the default RoPE is no scaling."""
-    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # a 4.x scaling wins
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-    params = dict(hf.get(key) or {})
-    theta = params.pop("rope_theta", theta)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{where}: {key}: partial_rotary_factor: only 1.0 (RoPE on the whole head) is supported")
-    if "type" in params:  # transformers 4's spelling of rope_type
-        params.setdefault("rope_type", params.pop("type"))
-    if params.get("rope_type", "default") == "default":
-        return theta, None
-    problem = rope_problem(params)
-    if problem:
-        raise CheckpointError(f"{where}: {key}: {problem}")
-    return theta, params
-
-
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
     """A Hugging Face config.json of a supported family as a ModelConfig; what cannot run is refused."""
-    kind = hf.get("model_type", "llama")
-    _refuse_unsupported(hf, kind, where)
-    family = FAMILIES[BY_MODEL_TYPE[kind]]
-    values = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items()}
-    if family.experts:
-        values.update({key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()})
-    values["num_key_value_heads"] = hf.get("num_key_value_heads") or values["num_attention_heads"]
-    values["rope_theta"], values["rope_scaling"] = _rope_from_hf(hf, where)
-    windowed = hf.get("use_sliding_window", False) if family.window_switch else True
-    values.update(
-        family=BY_MODEL_TYPE[kind],
-        head_dim=hf.get("head_dim"),
-        sliding_window=hf.get("sliding_window") if windowed else None,
-        **{key: bool(hf.get(key, False)) for key in family.biases},
-    )
+    values = hf_model_values(hf, where)
     try:
         return recipe_from_dict({"model": values}).model
     except RecipeError as e:
@@ -143,10 +91,7 @@ def hf_config(cfg) -> dict:
 
 
 def read_hf_config(hf_dir: str, what: str) -> ModelConfig:
-    if not os.path.isdir(hf_dir):
-        raise CheckpointError(f"{what}={hf_dir!r}: no such directory; give a Hugging Face Llama directory")
-    path = os.path.join(hf_dir, "config.json")
-    return config_from_hf(read_json(path, "Hugging Face config"), path)
+    return config_from_hf(read_config_json(hf_dir, what), os.path.join(hf_dir, "config.json"))
 
 
 # ---------------------------------------------------------------- a Hugging Face directory's tensors
@@ -186,12 +131,19 @@ def hf_index(hf_dir: str, cfg) -> dict[str, str]:
     return weight_map
 
 
+def _same(a, b) -> bool:
+    """Equal, floats to a relative 1e-6 (a config.json may hold float32 values: 9.999999747378752e-06)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    return a == b
+
+
 def check_hf_init(recipe) -> dict[str, str]:
     """checkpoint.init_from_hf against the recipe's model; returns the tensor index."""
     hf_dir = recipe.checkpoint.init_from_hf
     theirs = read_hf_config(hf_dir, "checkpoint.init_from_hf")
     for f in dataclasses.fields(ModelConfig):
-        if getattr(theirs, f.name) != getattr(recipe.model, f.name):
+        if not _same(getattr(theirs, f.name), getattr(recipe.model, f.name)):
             raise CheckpointError(
                 f"checkpoint.init_from_hf={hf_dir!r}: config.json has {f.name}="
                 f"{getattr(theirs, f.name)!r} but the recipe has model.{f.name}="
@@ -332,6 +284,17 @@ def _export_tokenizer(source, out: str, cfg: ModelConfig) -> list[str]:
     return write_hf_tokenizer(path, out, max_length=cfg.max_position_embeddings)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _copy_tokenizer_files(hf_dir: str, step_tmp: str) -> None:
+    """The directory's tokenizer (and chat template) into the step directory, listed in its
+    manifest: `generate` and training's checkpoints then find it without --tokenizer."""
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(step_tmp, name))
+
+
 def import_hf(hf_dir: str, out: str) -> str:
     """A Hugging Face Llama directory as a dtensor3d checkpoint directory (step 0, no
     optimizer state); returns its step directory."""
@@ -346,5 +309,6 @@ def import_hf(hf_dir: str, out: str) -> str:
         source = HFSlices(hf_dir, index)
         tensors = {n: (source.dtype(n), source.shape(n), lambda n=n: source.get(n)) for n in expected_shapes(cfg)}
         save_tensors(tensors, os.path.join(tmp, "model-stage00.safetensors"))
+        _copy_tokenizer_files(hf_dir, tmp)
         seal(tmp, {"step": 0, "source": os.path.abspath(hf_dir), "recipe": Recipe(model=cfg).to_dict()})
         return publish(out, tmp, name)

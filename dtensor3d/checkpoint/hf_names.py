@@ -8,26 +8,12 @@ import re
 
 import torch
 
+from ..config.hf_config import HF_DEFAULTS, LLAMA_KEYS, MIXTRAL_DEFAULTS  # noqa: F401  (re-exported)
 from .check import expected_shapes
 from .slices import SliceReader, full_index
 
 HF_SINGLE, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Hugging Face LlamaConfig's defaults, for keys a config.json leaves out.
-HF_DEFAULTS = {
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-}
-# ModelConfig fields that a Llama config.json holds under the same name.
-LLAMA_KEYS = (*HF_DEFAULTS, "num_key_value_heads", "rope_theta")
-# ...and the ones a Mixtral config.json adds (with MixtralConfig's defaults).
-MIXTRAL_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
 # Our stacked experts [E, in, out] <-> Mixtral's one Linear weight [out, in] per expert.
 EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
 

@@ -16,6 +16,7 @@ from ..errors import RecipeError, is_rank0
 from . import nanotron, nanotron_keys
 from .checks import validate
 from .fields import choices_of, unwrap_optional
+from .hf_config import hf_model_values, read_config_json
 from .lr import decay_past_end
 from .schema import _SECTION_CLASSES, ALIASES, ENUMS, EXPERT_ONLY, NON_EMPTY, SECTIONS, TYPES, Recipe
 
@@ -199,11 +200,20 @@ def recipe_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
     for section in raw:
         if section not in SECTIONS:
             raise RecipeError(f"{section}: unknown section; {_suggest(section, list(SECTIONS))}")
-    raw = _apply_overrides(raw, overrides)
+    raw = _model_from_hf(_apply_overrides(raw, overrides))
     recipe = Recipe(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
     if strict:
         _check_applicable(raw, recipe)
     return recipe
+
+
+def _model_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """No `model` section and a `checkpoint.init_from_hf` directory: the model is its config.json."""
+    hf_dir = (raw.get("checkpoint") or {}).get("init_from_hf") if isinstance(raw.get("checkpoint"), dict) else None
+    if raw.get("model") is not None or not isinstance(hf_dir, str) or not hf_dir:
+        return raw
+    path = os.path.join(hf_dir, "config.json")
+    return {**raw, "model": hf_model_values(read_config_json(hf_dir, "checkpoint.init_from_hf"), path)}
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

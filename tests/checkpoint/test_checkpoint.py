@@ -6,6 +6,7 @@ against transformers' own LlamaForCausalLM (logits within 1e-5, fp32; measured 0
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 from dtensor3d import checkpoint as ck
+from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
 from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
@@ -606,3 +608,55 @@ def test_expected_shapes_match_transformers():
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG))
     theirs = {n: list(p.shape) for n, p in model.named_parameters()}
     assert ck.expected_shapes(load_recipe(PARITY).model) == theirs
+
+
+def test_import_hf_carries_the_tokenizer_and_generate_needs_no_flag(hf_model, tmp_path, capsys):
+    """import-hf copies tokenizer.json / tokenizer_config.json into the step directory (in its
+    manifest); generate then runs without --tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dtensor3d.checkpoint.format import read_manifest
+
+    _, root = hf_model
+    hf = tmp_path / "hf"
+    shutil.copytree(root / "single", hf)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)}, unk_token="w0"))  # within vocab 256
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert main(["import-hf", str(hf), str(tmp_path / "ck")]) == 0
+    step = tmp_path / "ck" / "step_00000000"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (step / name).read_bytes() == (hf / name).read_bytes()
+        assert name in read_manifest(str(step))["files"]
+    capsys.readouterr()
+    argv = ["generate", str(tmp_path / "ck"), "--prompt", "w1 w2", "--max-new-tokens", "3", "--temperature", "0"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("w1 w2")
+
+
+def test_init_from_hf_without_a_model_section_and_float32_config_values(hf_model, tmp_path, capsys):
+    """No `model` section: the model is DIR/config.json. With one, fields are compared one by one,
+    floats to a relative 1e-6 (a float32 rms_norm_eps of 9.999999747378752e-06 equals 1e-05)."""
+    import yaml
+
+    from dtensor3d.checkpoint.hf import check_hf_init, read_hf_config
+
+    _, root = hf_model
+    hf = tmp_path / "hf"
+    shutil.copytree(root / "single", hf)
+    config = json.loads((hf / "config.json").read_text())
+    config["rms_norm_eps"] = 9.999999747378752e-06
+    (hf / "config.json").write_text(json.dumps(config))
+    base = yaml.safe_load(Path(PARITY).read_text())
+    without = {k: v for k, v in base.items() if k != "model"}
+    without["checkpoint"] = {**(without.get("checkpoint") or {}), "init_from_hf": str(hf)}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(without))
+    recipe = load_recipe(str(tmp_path / "r.yaml"))
+    assert recipe.model == read_hf_config(str(hf), "DIR") and recipe.model.rms_norm_eps == 9.999999747378752e-06
+    close = dataclasses.replace(recipe.model, rms_norm_eps=1e-05)
+    check_hf_init(dataclasses.replace(recipe, model=close))  # equal to a relative 1e-6: accepted
+    for field, value in (("rms_norm_eps", 1.1e-05), ("hidden_size", recipe.model.hidden_size * 2)):
+        other = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, **{field: value}))
+        with pytest.raises(CheckpointError, match=f"config.json has {field}="):
+            check_hf_init(other)
