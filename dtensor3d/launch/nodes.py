@@ -161,7 +161,7 @@ class Heartbeat:
             time.sleep(BEAT_S)
 
 
-def lost_nodes(store, nnodes: int, me: int) -> str | None:
+def lost_nodes(store, nnodes: int, me: int, endpoint: str = "MASTER_ADDR:MASTER_PORT") -> str | None:
     """A phrase naming the nodes whose heartbeat stopped ("node 1 was lost"), or the store's
     host when it cannot be reached; None when every node is alive."""
     try:
@@ -169,7 +169,7 @@ def lost_nodes(store, nnodes: int, me: int) -> str | None:
         time.sleep(3 * BEAT_S)
         after = [store.add(f"{KEY}/alive/{n}", 0) for n in range(nnodes)]
     except Exception:
-        return "node 0 (the rendezvous host, MASTER_ADDR) was lost" if me != 0 else None
+        return f"node 0 (the rendezvous host, {endpoint}) was lost" if me != 0 else None
     lost = [n for n in range(nnodes) if n != me and after[n] == before[n]]
     if not lost:
         return None

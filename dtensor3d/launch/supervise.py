@@ -167,7 +167,7 @@ def meet_nodes(args, config, cmd_args: list[str], rdzv):
     store = TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
     nodes.meet(store, args.node_rank, config.max_nodes, recipe.to_dict(), recipe.training.timeout_s)
     nodes.Heartbeat(store, args.node_rank)
-    return lambda: nodes.lost_nodes(store, config.max_nodes, args.node_rank)
+    return lambda: nodes.lost_nodes(store, config.max_nodes, args.node_rank, rdzv.endpoint)
 
 
 # ---------------------------------------------------------------- the agent
