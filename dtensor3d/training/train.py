@@ -25,7 +25,7 @@ from .. import checkpoint
 from ..config.lr import lr_at
 from ..config.schema import Recipe
 from ..datasets.sources import epoch_note, make_source
-from ..errors import is_rank0
+from ..errors import UserError, is_rank0
 from ..mesh import build_mesh, init_distributed, mesh_coords, set_timeout
 from ..models import materialize
 from ..parallel import context, data, expert, pipeline, tensor
@@ -204,6 +204,13 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
     return metrics
 
 
+def _close(found: list, guard) -> None:
+    """The hooks, then the guard; once (a second call finds nothing left to close)."""
+    while found:
+        found.pop(0).close()
+    guard.close()
+
+
 def train(recipe: Recipe) -> list[dict]:
     """Train for recipe.training.steps; rank 0 logs. Returns the logged records. Preemption,
     non-finite steps and hung collectives go through faults.Guard; evaluation, the metrics
@@ -227,10 +234,12 @@ def train(recipe: Recipe) -> list[dict]:
             hook.at_end(state)
     except faults.CollectiveError as e:
         raise SystemExit(faults.report_collective(e)) from None
+    except UserError:  # a non-finite step under `stop`, a failed save: every rank stops here
+        _close(found, guard)
+        dist.destroy_process_group()  # torch's threads ended before exit (an exit with them alive could abort)
+        raise
     finally:
-        for hook in found:
-            hook.close()
-        guard.close()
+        _close(found, guard)
     guard.final_barrier()  # every rank reached the end: only then the `done:` line
     log.done()
     dist.destroy_process_group()
