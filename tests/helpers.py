@@ -352,3 +352,18 @@ def check_comm(run_dir: Path, recipe) -> None:
         got = {d: kinds for d, kinds in got.items() if kinds}
         merged = {d: kinds for d, kinds in merged.items() if kinds}
         assert got == merged, (f.name, rank["coords"], got, merged)
+
+
+# The tiny Hugging Face Llama the interop tests build (Mixtral adds its expert fields to it).
+TINY_HF_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)

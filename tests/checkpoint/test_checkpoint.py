@@ -27,6 +27,7 @@ from helpers import (
     ROOT,
     SAVES_AT_3_AND_6,
     SAVES_AT_5_AND_10,
+    TINY_HF_LLAMA,
     clean_env,
     cli,
     cli_process,
@@ -465,18 +466,7 @@ def test_resume_from_a_checkpoint_dir_interval_0_and_init_from_hf_ignored(run_on
 
 # ---------------------------------------------------------------- Hugging Face
 
-HF_CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
+HF_CONFIG = TINY_HF_LLAMA
 
 
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:

@@ -4,27 +4,13 @@ model goes to and from transformers' MixtralForCausalLM with the same logits."""
 import pytest
 import torch
 import transformers
-from helpers import ROOT, cli_process, train_metrics
+from helpers import ROOT, TINY_HF_LLAMA, cli_process, train_metrics
 from safetensors.torch import load_file
 
 from dtensor3d.checkpoint import load_model
 
 MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
-MIXTRAL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.01,
-)
+MIXTRAL = dict(TINY_HF_LLAMA, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01)
 
 
 def tokens(seed=0):
