@@ -32,6 +32,7 @@ from .hf_names import (
     LLAMA_KEYS,
     MIXTRAL_DEFAULTS,
     PICKLE_SUFFIXES,
+    MLA_DEFAULTS,
     HFSlices,
     hf_shapes,
     to_hf_lazy,
@@ -65,12 +66,20 @@ def _family_fields(cfg, name: str) -> dict:
     if name == "mixtral":
         out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
         out.update(router_jitter_noise=0.0, output_router_logits=False)
+    if family.mla:  # every layer dense; no multi-token prediction layers
+        out.update({key: getattr(cfg, key) for key in MLA_DEFAULTS})
+        out.update(first_k_dense_replace=cfg.num_hidden_layers, num_nextn_predict_layers=0)
     return out
 
 
 def hf_config(cfg) -> dict:
     """config.json for transformers' model class of the family (Mixtral's for experts)."""
     name = "mixtral" if cfg.num_local_experts else cfg.family
+    if cfg.num_local_experts and cfg.mla:
+        raise CheckpointError(
+            f"model.family={cfg.family!r} with num_local_experts={cfg.num_local_experts}: its experts are "
+            f"Mixtral-routed here, which DeepseekV3ForCausalLM cannot hold; only a dense one exports"
+        )
     if cfg.num_local_experts and (cfg.shared_expert_intermediate_size or cfg.moe_layers is not None):
         raise CheckpointError(
             f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
@@ -125,10 +134,19 @@ def hf_index(hf_dir: str, cfg) -> dict[str, str]:
     weight_map = {
         n: f
         for n, f in weight_map.items()
-        if not n.endswith("rotary_emb.inv_freq") and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+        if not n.endswith("rotary_emb.inv_freq")
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+        and not _prediction_layer(n, cfg)
     }
     check_tensors(hf_dir, weight_map, hf_shapes(cfg))
     return weight_map
+
+
+def _prediction_layer(name: str, cfg) -> bool:
+    """DeepSeek-V3's multi-token prediction layers (model.layers.N.* for N >= num_hidden_layers),
+    which transformers' DeepseekV3ForCausalLM does not load either."""
+    parts = name.split(".")
+    return cfg.mla and parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.num_hidden_layers
 
 
 def _same(a, b) -> bool:

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from ..config.hf_config import HF_DEFAULTS, LLAMA_KEYS, MIXTRAL_DEFAULTS  # noqa: F401  (re-exported)
+from ..config.hf_config import HF_DEFAULTS, LLAMA_KEYS, MIXTRAL_DEFAULTS, MLA_DEFAULTS  # noqa: F401  (re-exported)
 from .check import expected_shapes
 from .slices import SliceReader, full_index
 

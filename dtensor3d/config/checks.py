@@ -42,11 +42,13 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
 def _validate_family(recipe: Recipe) -> None:
     """What a family turns on, its RoPE scaling and its sliding window (config/families.py)."""
     m, seq = recipe.model, recipe.training.sequence_length
-    if FAMILIES[m.family].experts != bool(m.num_local_experts) and m.family != "llama":
+    if FAMILIES[m.family].experts != bool(m.num_local_experts) and m.family not in ("llama", "deepseek_v3"):
         raise RecipeError(
             f"model.family={m.family!r} with num_local_experts={m.num_local_experts}: experts come with "
-            f"family 'mixtral' (or 'llama' with num_local_experts > 0), none with the others"
+            f"family 'mixtral' (or 'llama' or 'deepseek_v3' with num_local_experts > 0), none with the others"
         )
+    if m.mla:
+        _validate_mla(m)
     if m.head_dim <= 0 or m.head_dim % 2:
         raise RecipeError(f"model.head_dim={m.head_dim} must be a positive even number (RoPE rotates pairs)")
     for key in ("attention_bias", "mlp_bias"):
@@ -61,6 +63,25 @@ def _validate_family(recipe: Recipe) -> None:
             f"model.sliding_window={m.sliding_window} is smaller than training.sequence_length={seq}: "
             f"sliding-window attention is not supported; use null or a window >= the sequence length"
         )
+
+
+def _validate_mla(m: ModelConfig) -> None:
+    """Multi-head latent attention's widths: every head has its own key and value (from the
+    latent), and the RoPE part rotates pairs."""
+    if m.num_key_value_heads != m.num_attention_heads:
+        raise RecipeError(
+            f"model.num_key_value_heads={m.num_key_value_heads}: multi-head latent attention (family "
+            f"{m.family!r}) gives every head its own key and value; set it to num_attention_heads={m.num_attention_heads}"
+        )
+    if m.qk_rope_head_dim <= 0 or m.qk_rope_head_dim % 2:
+        raise RecipeError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be a positive even number (RoPE pairs)")
+    if m.head_dim != m.qk_rope_head_dim:
+        raise RecipeError(
+            f"model.head_dim={m.head_dim}: multi-head latent attention's head_dim is qk_rope_head_dim="
+            f"{m.qk_rope_head_dim} (as in transformers' DeepseekV3Config); remove head_dim"
+        )
+    if m.q_lora_rank is not None and m.q_lora_rank <= 0:
+        raise RecipeError(f"model.q_lora_rank={m.q_lora_rank} must be > 0, or null for one full query projection")
 
 
 def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:

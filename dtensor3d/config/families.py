@@ -17,6 +17,7 @@ class Family:
     experts: bool = False  # Mixtral's mixture-of-experts names and config keys
     biases: tuple[str, ...] = ()  # which of attention_bias / mlp_bias the family's config class has
     window_switch: bool = False  # sliding_window counts only with use_sliding_window: true (Qwen)
+    mla: bool = False  # multi-head latent attention (DeepSeek-V3: models/mla.py) instead of q/k/v heads
 
 
 FAMILIES = {
@@ -25,6 +26,7 @@ FAMILIES = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, biases=("attention_bias",), window_switch=True),
     "mistral": Family("mistral", "MistralForCausalLM"),
     "mixtral": Family("mixtral", "MixtralForCausalLM", experts=True),
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", biases=("attention_bias",), mla=True),
 }
 BY_MODEL_TYPE = {f.model_type: name for name, f in FAMILIES.items()}
 

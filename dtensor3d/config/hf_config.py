@@ -25,6 +25,15 @@ HF_DEFAULTS = {
 LLAMA_KEYS = (*HF_DEFAULTS, "num_key_value_heads", "rope_theta")
 # ...and the ones a Mixtral config.json adds (with MixtralConfig's defaults).
 MIXTRAL_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+# ...and DeepseekV3Config's multi-head latent attention keys (with its defaults).
+MLA_DEFAULTS = {
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_interleave": True,
+}
 
 
 def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
@@ -44,6 +53,13 @@ def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
             raise refuse(key, f"not supported for model_type {kind!r}")
     if hf.get("attention_dropout", 0.0):
         raise refuse("attention_dropout", "dropout is not supported; use 0.0")
+    layers = hf.get("num_hidden_layers", HF_DEFAULTS["num_hidden_layers"])
+    if kind == "deepseek_v3" and hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 3) < layers:
+        raise refuse(
+            "first_k_dense_replace",
+            f"DeepSeek-V3's sigmoid-routed expert layers are not supported yet; only a model whose "
+            f"first_k_dense_replace covers all num_hidden_layers={layers} (every layer dense) loads",
+        )
 
 
 def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
@@ -74,11 +90,16 @@ def hf_model_values(hf: dict, where: str) -> dict:
     if family.experts:
         values.update({key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()})
     values["num_key_value_heads"] = hf.get("num_key_value_heads") or values["num_attention_heads"]
+    head_dim = hf.get("head_dim")
+    if family.mla:  # every head has its own key and value; transformers' head_dim is the RoPE width.
+        # Multi-token prediction layers (num_nextn_predict_layers) are ignored, as transformers does.
+        values.update({key: hf.get(key, default) for key, default in MLA_DEFAULTS.items()})
+        values["num_key_value_heads"], head_dim = values["num_attention_heads"], values["qk_rope_head_dim"]
     values["rope_theta"], values["rope_scaling"] = _rope_from_hf(hf, where)
     windowed = hf.get("use_sliding_window", False) if family.window_switch else True
     values.update(
         family=BY_MODEL_TYPE[kind],
-        head_dim=hf.get("head_dim"),
+        head_dim=head_dim,
         sliding_window=hf.get("sliding_window") if windowed else None,
         **{key: bool(hf.get(key, False)) for key in family.biases},
     )

@@ -18,7 +18,7 @@ from .checks import validate
 from .fields import choices_of, unwrap_optional
 from .hf_config import hf_model_values, read_config_json
 from .lr import decay_past_end
-from .schema import _SECTION_CLASSES, ALIASES, ENUMS, EXPERT_ONLY, NON_EMPTY, SECTIONS, TYPES, Recipe
+from .schema import _SECTION_CLASSES, ALIASES, ENUMS, EXPERT_ONLY, MLA_ONLY, NON_EMPTY, SECTIONS, TYPES, Recipe
 
 
 def _type_name(value: Any) -> str:
@@ -260,6 +260,12 @@ def _check_applicable(raw: dict[str, Any], recipe: Recipe) -> None:
                 f"{', '.join(given)}: expert settings on a dense model (model.num_local_experts=0) cannot "
                 f"apply; remove them, or set num_local_experts > 0 for a mixture of experts"
             )
+    given = [f"model.{k}={model[k]}" for k in MLA_ONLY if k in model]
+    if given and not recipe.model.mla:
+        raise RecipeError(
+            f"{given[0]}: a multi-head latent attention setting cannot apply to family "
+            f"{recipe.model.family!r}; remove it, or set model.family: deepseek_v3"
+        )
 
 
 def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None) -> Recipe:

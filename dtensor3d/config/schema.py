@@ -37,7 +37,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = knob(0, "a shared expert's inner width; 0: no shared expert")
     moe_layers: tuple[int, ...] | None = knob(None, "the layers with experts; null: every layer")
     # The model family (config/families.py) and Hugging Face's switches, by their config.json names.
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral"] = knob(
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "deepseek_v3"] = knob(
         "llama", "the architecture (README: Model families); its Hugging Face model_type on export"
     )
     head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
@@ -48,8 +48,17 @@ class ModelConfig:
     )
     sliding_window: int | None = knob(None, "attention window; null: full (a window must cover the sequence)")
     hidden_act: Literal["silu"] = knob("silu", "the feed-forward's activation (SwiGLU)")
+    # Multi-head latent attention (family deepseek_v3: models/mla.py), by DeepseekV3Config's names.
+    q_lora_rank: int | None = knob(None, "MLA: the query's low-rank width; null: one full query projection")
+    kv_lora_rank: int = knob(32, "MLA: the compressed key/value latent's width", positive=True)
+    qk_nope_head_dim: int = knob(16, "MLA: per-head query/key width without RoPE", positive=True)
+    qk_rope_head_dim: int = knob(8, "MLA: per-head query/key width with RoPE (the key part shared by all heads)")
+    v_head_dim: int = knob(16, "MLA: per-head value width", positive=True)
+    rope_interleave: bool = knob(True, "MLA: the RoPE part's pairs are interleaved (DeepSeek's layout)")
 
     def __post_init__(self):
+        if self.head_dim is None and self.mla:  # as transformers' DeepseekV3Config: the RoPE part's width
+            object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
         if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
@@ -64,6 +73,11 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return FAMILIES[self.family].qk_norm
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
+        return FAMILIES[self.family].mla
 
 
 def stage_layers(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None = None) -> list[range]:
@@ -310,6 +324,9 @@ class Recipe:
         if not self.model.num_local_experts:
             for key in EXPERT_ONLY:
                 del out["model"][key]
+        if not self.model.mla:
+            for key in MLA_ONLY:
+                del out["model"][key]
         for section in out.values():
             for key, value in section.items():
                 if isinstance(value, tuple):
@@ -353,3 +370,4 @@ POSITIVE = {
 }
 
 EXPERT_ONLY = ("num_experts_per_tok", "router_aux_loss_coef", "shared_expert_intermediate_size")
+MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .layers import MLP, KVCache, ModelHooks, RMSNorm, cached_attention, recompute_context
+from .mla import MultiHeadLatentAttention
 from .moe import MoE
 from .rope import apply_rope, inv_freq, rope_tables
 
@@ -65,7 +66,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.recompute = hooks.recompute  # none | full | selective
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, hooks)
+        self.self_attn = MultiHeadLatentAttention(cfg, hooks) if cfg.mla else Attention(cfg, hooks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Mixtral's name for a mixture-of-experts feed-forward, Llama's for a dense one.
         if moe:

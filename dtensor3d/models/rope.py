@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 
 import torch
+from einops import rearrange
 
 
-def inv_freq(cfg) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies [head_dim / 2] of `cfg`'s RoPE and the factor on cos and sin."""
-    dim, theta = cfg.head_dim, cfg.rope_theta
+def inv_freq(cfg, dim: int | None = None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies [dim / 2] of `cfg`'s RoPE and the factor on cos and sin; `dim`:
+    the rotated width (default head_dim; multi-head latent attention's qk_rope_head_dim)."""
+    dim, theta = dim or cfg.head_dim, cfg.rope_theta
     # on the CPU even under build_on_meta's meta device: the tables are computed, never loaded
     base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     rope = cfg.rope_scaling or {}
@@ -38,6 +40,18 @@ def _llama3(base: torch.Tensor, rope: dict) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original / high) & (wavelen <= original / low)
     return torch.where(medium, blended, scaled)
+
+
+def softmax_scale(cfg, qk_dim: int) -> float:
+    """The attention's softmax scale: 1/sqrt(qk_dim), times YaRN's mscale(factor,
+    mscale_all_dim) squared when the scaling gives mscale_all_dim (DeepSeek's MLA scales the
+    non-rotary dimensions too, as transformers' yarn_apply_mscale does)."""
+    rope = cfg.rope_scaling or {}
+    scale = qk_dim**-0.5
+    m_all = rope.get("mscale_all_dim")
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and m_all:
+        scale *= _yarn_mscale(rope["factor"], m_all) ** 2
+    return scale
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -72,8 +86,12 @@ def rope_tables(freqs: torch.Tensor, scale: float, positions: torch.Tensor) -> t
     return angles.cos() * scale, angles.sin() * scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; Hugging Face's rotate-half convention."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; Hugging Face's rotate-half convention. `interleaved`:
+    x's pairs are (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave); they are rotated into
+    the rotate-half layout [x0, x2, ...; x1, x3, ...] first, as transformers' output is laid out."""
+    if interleaved:
+        x = rearrange(x, "... (d two) -> ... (two d)", two=2)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).type_as(x)

@@ -164,7 +164,9 @@ def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tenso
             "zigzag_positions(S, cp, rank), k_pos = every rank's in rank order"
         )
     k, v = _global_order(k, cp), _global_order(v, cp)
-    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank))
+    width = v.shape[-1]  # the CPU flash kernel needs equal widths: pad multi-head latent attention's values
+    v = F.pad(v, (0, q.shape[-1] - width)) if width < q.shape[-1] else v
+    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank))[..., :width]
 
 
 def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tensor:

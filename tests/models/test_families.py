@@ -33,6 +33,14 @@ BASE = dict(
 LLAMA3_ROPE = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
 )
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=20,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    v_head_dim=10,
+    first_k_dense_replace=2,
+)
 FAMILIES = {
     # family: (config class, extra config, what must show in the parameter names)
     "llama3": (
@@ -50,6 +58,29 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}, "q_proj.bias"),
     "qwen3": ("Qwen3Config", dict(head_dim=24), "k_norm.weight"),
     "mistral": ("MistralConfig", dict(sliding_window=None), "o_proj.weight"),
+    # multi-head latent attention: low-rank q, interleaved RoPE part, YaRN with both mscales
+    # (softmax scale too), v_head_dim != qk width; every layer dense (first_k_dense_replace)
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            **MLA,
+            q_lora_rank=24,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=8.0,
+                original_max_position_embeddings=32,
+                mscale=0.9,
+                mscale_all_dim=1.1,
+                rope_theta=123456.0,
+            ),
+        ),
+        "q_a_layernorm.weight",
+    ),
+    "deepseek_v3_full_q": (
+        "DeepseekV3Config",
+        dict(**MLA, q_lora_rank=None, rope_interleave=False, attention_bias=True),
+        "kv_a_proj_with_mqa.bias",
+    ),
 }
 
 
@@ -63,7 +94,7 @@ def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     config_cls, extra, must_have = FAMILIES[request.param]
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**BASE, **extra))
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**{**BASE, **extra}))
     hf = hf.float().eval()
     names = [n for n, _ in hf.named_parameters()]
     assert any(n.endswith(must_have) for n in names), names
