@@ -71,7 +71,8 @@ def _validate_mla(m: ModelConfig) -> None:
     if m.num_key_value_heads != m.num_attention_heads:
         raise RecipeError(
             f"model.num_key_value_heads={m.num_key_value_heads}: multi-head latent attention (family "
-            f"{m.family!r}) gives every head its own key and value; set it to num_attention_heads={m.num_attention_heads}"
+            f"{m.family!r}) gives every head its own key and value; set it to num_attention_heads="
+            f"{m.num_attention_heads}"
         )
     if m.qk_rope_head_dim <= 0 or m.qk_rope_head_dim % 2:
         raise RecipeError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be a positive even number (RoPE pairs)")
