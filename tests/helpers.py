@@ -228,6 +228,8 @@ TP_DIM = {
     "self_attn.k_proj.weight": 0,
     "self_attn.v_proj.weight": 0,
     "self_attn.o_proj.weight": 1,
+    "self_attn.q_b_proj.weight": 0,  # multi-head latent attention's per-head up projections
+    "self_attn.kv_b_proj.weight": 0,
     "mlp.gate_proj.weight": 0,
     "mlp.up_proj.weight": 0,
     "mlp.down_proj.weight": 1,
@@ -285,7 +287,8 @@ def expected_splits(name: str, p) -> dict[str, int | None]:
     key = next((k for k in TP_DIM if name.endswith(k)), None)
     if p.tp > 1 and key is not None and not inside_moe:
         splits["tp"] = TP_DIM[key]
-    if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" and name.endswith("norm.weight"):
+    latent_norm = name.endswith(("q_a_layernorm.weight", "kv_a_layernorm.weight"))  # MLA's: plain tensors
+    if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" and name.endswith("norm.weight") and not latent_norm:
         splits["tp"] = None  # sequence parallelism: norms are tp DTensors, replicated
     if p.tp > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
         splits["tp"] = None  # per-head norms: replicated tp DTensors at either tp mode

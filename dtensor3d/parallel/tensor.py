@@ -7,6 +7,18 @@ stream and the norms are sharded on the sequence and each block gathers its inpu
 reduce-scatters its output. The head is column-parallel and its logits stay sharded on the
 vocabulary for `loss_parallel` cross-entropy.
 
+Multi-head latent attention (DeepSeek-V3, models/mla.py) is sharded by heads too: q_b_proj
+(or q_proj) and kv_b_proj column-parallel -- their rows are per-head blocks -- and o_proj
+row-parallel. The low-rank down projections q_a_proj and kv_a_proj_with_mqa and their norms
+stay replicated: each norm is over its whole latent, so a column-split down projection would
+need an all-gather of the latent in every layer forward (and its gradient's reduction
+backward) to save a small matmul (the latent is 1536 + 576 wide against 7168 x 128 heads
+in the up projections: about 5% of the layer's attention FLOPs for DeepSeek-V3), as
+Megatron and transformers' plan keep them. One fix-up: the last qk_rope_head_dim columns
+of kv_a_proj_with_mqa's output are the RoPE key every head shares, so a rank's gradient of
+them covers only its heads; `SharedKeyGradient` sums it over tp (an identity forward and an
+all-reduce backward: Megatron's "f" operator), at the one place where heads meet again.
+
 Biases go with their linears (a column-parallel bias is sharded like the rows, a row-parallel
 one replicated and added once after the reduction: DTensor's own rules). Per-head q/k norms
 (Qwen3) see this rank's heads: their weight is a replicated DTensor and their input is marked
@@ -18,10 +30,12 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -31,10 +45,31 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
+class SharedKeyGradient(ParallelStyle):
+    """For a replicated linear whose last `width` output columns feed every head (MLA's
+    kv_a_proj_with_mqa: the shared RoPE key): those columns pass unchanged forward, and their
+    gradient -- on each rank the sum over its own heads only -- is all-reduced over tp in
+    backward, so the weight's and the input's gradients are the whole model's."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def hook(_module, _inputs, out):
+            rest, shared = out.split([out.shape[-1] - self.width, self.width], dim=-1)
+            shared = DTensor.from_local(shared, device_mesh, (Replicate(),), run_check=False)
+            return torch.cat([rest, shared.to_local(grad_placements=(Partial(),))], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def tp_plan(sequence_parallel: bool, moe: bool = False, shared_key: int = 0) -> tuple[dict, dict]:
     """(plan for the model's outer modules, plan for a decoder layer). A mixture-of-experts
     layer's feed-forward is replicated over tp (see parallel/expert.py): it takes the whole
-    sequence and, under sequence parallelism, hands back this rank's part."""
+    sequence and, under sequence parallelism, hands back this rank's part. `shared_key`:
+    multi-head latent attention's qk_rope_head_dim (0: grouped-query attention)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     outer = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -45,10 +80,15 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        # multi-head latent attention: the per-head up projections; the down projections stay whole
+        "self_attn.q_b_proj": ColwiseParallel(),
+        "self_attn.kv_b_proj": ColwiseParallel(),
         # [b, heads, s, d]: this rank's heads (dim 1); a module a model lacks is skipped
         "self_attn.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
         "self_attn.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
     }
+    if shared_key:
+        layer["self_attn.kv_a_proj_with_mqa"] = SharedKeyGradient(shared_key)
     if not moe:
         layer.update(
             {
@@ -63,8 +103,12 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
             {
                 "input_layernorm": SequenceParallel(),
                 "post_attention_layernorm": SequenceParallel(),
-                # The block's input arrives sharded on the sequence; gather it before q/k/v.
-                "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                # The block's input arrives sharded on the sequence; gather it before q/k/v (MLA:
+                # as a plain tensor, for its replicated down projections; their input gradients
+                # are then whole and the gather's backward only slices).
+                "self_attn": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=bool(shared_key)
+                ),
             }
         )
         if moe:
@@ -89,8 +133,9 @@ def apply_tp(model: nn.Module, tp_mesh, parallelism) -> nn.Module:
     outer, _ = tp_plan(sequence_parallel)
     present = {path: style for path, style in outer.items() if _has_module(model, path)}
     parallelize_module(model, tp_mesh, present)
+    shared_key = model.cfg.qk_rope_head_dim if model.cfg.mla else 0
     for block in model.model.layers.values():
-        layer = tp_plan(sequence_parallel, hasattr(block, "block_sparse_moe"))[1]
+        layer = tp_plan(sequence_parallel, hasattr(block, "block_sparse_moe"), shared_key)[1]
         parallelize_module(block, tp_mesh, {path: style for path, style in layer.items() if _has_module(block, path)})
     return model
 

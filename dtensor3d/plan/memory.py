@@ -28,6 +28,16 @@ def _linear_inputs(z: Sizes, n_linears: int) -> int:
     return z.tokens * z.hidden * (FP32 if z.compute == FP32 else n_linears * z.compute)
 
 
+def _latent_bytes(recipe, z: Sizes) -> int:
+    """Multi-head latent attention's low-rank path: the q and kv latents before and after
+    their norms, and kv_b_proj's per-head output (the RoPE-free keys and the values)."""
+    m = recipe.model
+    if not m.mla:
+        return 0
+    latents = 2 * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim)
+    return z.tokens * (latents + z.heads * (m.qk_nope_head_dim + m.v_head_dim)) * z.compute
+
+
 def layer_activation_bytes(recipe, moe: bool) -> int:
     """Bytes autograd keeps for one decoder layer and one microbatch (no recompute)."""
     z, m = sizes(recipe), recipe.model
@@ -36,8 +46,9 @@ def layer_activation_bytes(recipe, moe: bool) -> int:
     attention = (
         _linear_inputs(z, 3)
         + 2 * z.tokens * z.q_width * z.compute  # rotated q, attention output (o_proj's input)
-        + 2 * kv_tokens * z.kv_width * z.compute  # rotated (gathered) k and v
+        + kv_tokens * z.kv_pair * z.compute  # rotated (gathered) k and v
         + z.heads * z.tokens * FP32  # log-sum-exp
+        + _latent_bytes(recipe, z)
     )
     if not moe:
         return norms + attention + _linear_inputs(z, 2) + 4 * z.tokens * z.inter * z.compute
@@ -62,7 +73,7 @@ def selective_layer_bytes(recipe, moe: bool) -> int:
     z, m = sizes(recipe), recipe.model
     residual = z.seq_tokens * z.hidden * FP32
     attention = (
-        z.tokens * (z.q_width + 2 * z.kv_width) * z.compute  # q, k, v projections
+        z.tokens * (z.q_width + z.kv_pair) * z.compute  # q, k, v projections
         + z.tokens * z.q_width * z.compute  # attention output
         + z.heads * z.tokens * FP32  # its log-sum-exp
         + z.tokens * z.hidden * z.compute  # o_proj

@@ -135,7 +135,8 @@ class Sizes:
     kv_tokens: int  # tokens whose keys and values attention keeps (the whole sequence under cp)
     hidden: int
     q_width: int  # local query (and attention output) width: heads / tp * head_dim
-    kv_width: int  # local key / value width
+    kv_width: int  # local key / value width (multi-head latent attention: their mean)
+    kv_pair: int  # local key plus value width (what context parallelism gathers per token)
     inter: int  # local feed-forward width
     vocab: int  # local vocabulary (the head's logits)
     heads: int  # local query heads
@@ -145,15 +146,21 @@ class Sizes:
 def sizes(recipe) -> Sizes:
     m, p, t = recipe.model, recipe.parallelism, recipe.training
     tokens = t.micro_batch_size * t.sequence_length // p.cp
+    heads = m.num_attention_heads // p.tp
+    q_width, kv_pair = heads * m.head_dim, 2 * m.num_key_value_heads // p.tp * m.head_dim
+    if m.mla:  # every local head has a key of qk width and a value of v_head_dim
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q_width, kv_pair = heads * qk, heads * (qk + m.v_head_dim)
     return Sizes(
         tokens=tokens,
         seq_tokens=tokens // p.tp if p.sequence_parallel else tokens,
         kv_tokens=t.micro_batch_size * t.sequence_length,
         hidden=m.hidden_size,
-        q_width=m.num_attention_heads // p.tp * m.head_dim,
-        kv_width=m.num_key_value_heads // p.tp * m.head_dim,
+        q_width=q_width,
+        kv_width=kv_pair // 2,
+        kv_pair=kv_pair,
         inter=m.intermediate_size // p.tp,
         vocab=m.vocab_size // p.tp,
-        heads=m.num_attention_heads // p.tp,
+        heads=heads,
         compute=2 if t.dtype == "bfloat16" else FP32,
     )

@@ -11,21 +11,52 @@ Embedding's dim 0), checked against that plan by the same tests.
 
 from __future__ import annotations
 
+import math
+
+
+def _attention_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Grouped-query attention's parameters (models/llama.py Attention), by name within it."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h))):
+        out[f"{name}.weight"] = shape
+        if cfg.qkv_bias:
+            out[f"{name}.bias"] = shape[:1]
+    out["o_proj.weight"] = (h, q)
+    if cfg.attention_bias:
+        out["o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        out |= {"q_norm.weight": (hd,), "k_norm.weight": (hd,)}
+    return out
+
+
+def _mla_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention's parameters (models/mla.py), by name within it."""
+    h, heads, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
+    qk, latent = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    out: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank is None:
+        out["q_proj.weight"] = (heads * qk, h)
+    else:
+        out["q_a_proj.weight"] = (cfg.q_lora_rank, h)
+        out |= {"q_a_proj.bias": (cfg.q_lora_rank,)} if bias else {}
+        out["q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        out["q_b_proj.weight"] = (heads * qk, cfg.q_lora_rank)
+    out["kv_a_proj_with_mqa.weight"] = (latent + cfg.qk_rope_head_dim, h)
+    out |= {"kv_a_proj_with_mqa.bias": (latent + cfg.qk_rope_head_dim,)} if bias else {}
+    out["kv_a_layernorm.weight"] = (latent,)
+    out["kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), latent)
+    out["o_proj.weight"] = (h, heads * cfg.v_head_dim)
+    return out | ({"o_proj.bias": (h,)} if bias else {})
+
 
 def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
     """One decoder layer's parameters (models/llama.py DecoderLayer), by name within the layer."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    h = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
-    for name, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h))):
-        out[f"self_attn.{name}.weight"] = shape
-        if cfg.qkv_bias:
-            out[f"self_attn.{name}.bias"] = shape[:1]
-    out["self_attn.o_proj.weight"] = (h, q)
-    if cfg.attention_bias:
-        out["self_attn.o_proj.bias"] = (h,)
-    if cfg.qk_norm:
-        out |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    attention = _mla_shapes(cfg) if cfg.mla else _attention_shapes(cfg)
+    out |= {f"self_attn.{name}": shape for name, shape in attention.items()}
     out["post_attention_layernorm.weight"] = (h,)
     if not cfg.is_moe_layer(index):
         return out | _mlp_shapes("mlp", h, cfg.intermediate_size, cfg.mlp_bias)
@@ -79,6 +110,8 @@ TP_LAYER = {
     "self_attn.k_proj.weight": 0,
     "self_attn.v_proj.weight": 0,
     "self_attn.o_proj.weight": 1,
+    "self_attn.q_b_proj.weight": 0,  # multi-head latent attention: the per-head up projections
+    "self_attn.kv_b_proj.weight": 0,
     "mlp.gate_proj.weight": 0,
     "mlp.up_proj.weight": 0,
     "mlp.down_proj.weight": 1,
@@ -109,5 +142,9 @@ def flops_per_token(cfg, seq_len: int) -> float:
     else:
         ffn_total = L * ffn
     biases = (q + 2 * kv) * cfg.qkv_bias + h * cfg.attention_bias
-    dense = L * (h * q * 2 + h * kv * 2 + biases) + ffn_total + h * cfg.vocab_size  # the head counts, the lookup not
-    return 6 * dense + 12 * L * q * seq_len
+    attention, scores = h * q * 2 + h * kv * 2 + biases, 2 * q  # per layer: projections; q.k and p.v widths
+    if cfg.mla:  # the projections' matrices and biases (norms excluded, as above); q.k over qk, p.v over v
+        attention = sum(math.prod(s) for n, s in _mla_shapes(cfg).items() if "norm" not in n)
+        scores = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    dense = L * attention + ffn_total + h * cfg.vocab_size  # the head counts, the lookup not
+    return 6 * dense + 6 * L * scores * seq_len
