@@ -1,5 +1,6 @@
 """On 4 gloo ranks: context-parallel attention (cp 2 and cp 4, with and without grouped-query
-attention, both kernels: "flash" and "masked") against single-device causal attention,
+attention, and with values narrower than q/k as multi-head latent attention has them (kv_heads
+4, v_dim 6), both kernels: "flash" and "masked") against single-device causal attention,
 outputs and input gradients. Prints one JSON line per case from rank 0 with the largest
 absolute errors over all ranks."""
 
@@ -17,13 +18,13 @@ world = dist.get_world_size()
 for cp in (2, 4):
     mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("rest", "cp"))["cp"]
     rank = mesh.get_local_rank()
-    for kv_heads in (4, 2):
-        g = torch.Generator().manual_seed(100 * cp + kv_heads)
+    for kv_heads, v_dim in ((4, 8), (2, 8), (4, 6)):
+        g = torch.Generator().manual_seed(100 * cp + kv_heads + v_dim)
         b, h, s, d = 2, 4, 32, 8
         q = torch.randn(b, h, s, d, generator=g, requires_grad=True)
         k = torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True)
-        v = torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True)
-        w = torch.randn(b, h, s, d, generator=g)
+        v = torch.randn(b, kv_heads, s, v_dim, generator=g, requires_grad=True)
+        w = torch.randn(b, h, s, v_dim, generator=g)
         ref = causal_attention(q, k, v)
         (ref * w).sum().backward()
 
@@ -50,6 +51,7 @@ for cp in (2, 4):
                         {
                             "cp": cp,
                             "kv_heads": kv_heads,
+                            "v_dim": v_dim,
                             "kernel": kernel,
                             "out": errs[0].item(),
                             "dq": errs[1].item(),

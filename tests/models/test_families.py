@@ -76,11 +76,6 @@ FAMILIES = {
         ),
         "q_a_layernorm.weight",
     ),
-    "deepseek_v3_full_q": (
-        "DeepseekV3Config",
-        dict(**MLA, q_lora_rank=None, rope_interleave=False, attention_bias=True),
-        "kv_a_proj_with_mqa.bias",
-    ),
 }
 
 
@@ -169,3 +164,19 @@ def test_rope_read_in_both_spellings():
     assert ours == config_from_hf(v4, "v4")
     assert ours.rope_theta == 123456.0 and ours.rope_scaling == LLAMA3_ROPE
     assert hf_config(ours)["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 123456.0}
+
+
+def test_deepseek_v3_full_query_logits_equal_transformers(tmp_path):
+    """DeepSeek-V3's other switches: one q_proj (q_lora_rank null), RoPE pairs not interleaved,
+    attention biases (q_a/kv_a/o), the default RoPE; logits to 1e-5 relative (measured 0.0)."""
+    extra = dict(**MLA, q_lora_rank=None, rope_interleave=False, attention_bias=True)
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**BASE, **extra})).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert any(n.endswith("kv_a_proj_with_mqa.bias") for n, _ in hf.named_parameters())
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert relative(load_model(tmp_path)(ids), hf(ids).logits) <= 1e-5

@@ -92,8 +92,8 @@ def test_flash_kernel_checks_the_layout():
 def test_cp_attention_matches_single_device():
     out = torchrun(4, ["tests/dist_scripts/cp_attention.py"]).stdout
     cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert {(c["cp"], c["kv_heads"], c["kernel"]) for c in cases} == {
-        (cp, kv, kernel) for cp in (2, 4) for kv in (4, 2) for kernel in KERNELS
+    assert {(c["cp"], c["kv_heads"], c["v_dim"], c["kernel"]) for c in cases} == {
+        (cp, kv, v_dim, kernel) for cp in (2, 4) for kv, v_dim in ((4, 8), (2, 8), (4, 6)) for kernel in KERNELS
     }
     for c in cases:
         for key in ("out", "dq", "dk", "dv"):
