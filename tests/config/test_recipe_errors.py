@@ -725,3 +725,21 @@ def test_explain_every_key_and_alias(capsys):
     assert main(["validate", "--explain", "training.stepz"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean 'training.steps'?" in err[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.num_key_value_heads=4"], r"model\.num_key_value_heads=4: multi-head latent attention .* set it to "),
+        (["model.head_dim=16"], r"model\.head_dim=16: multi-head latent attention's head_dim is qk_rope_head_dim=8"),
+        (["model.qk_rope_head_dim=7", "model.head_dim=7"], r"model\.qk_rope_head_dim=7 must be a positive even"),
+        (["model.q_lora_rank=0"], r"model\.q_lora_rank=0 must be > 0, or null"),
+        (["model.family=llama", "model.num_key_value_heads=4"], r"model\.q_lora_rank=24: a multi-head latent"),
+    ],
+)
+def test_mla_settings_refused_with_one_line(overrides, message):
+    """DeepSeek-V3's attention settings (tests/recipes/deepseek_parity.yaml) that cannot run, or
+    on a family without multi-head latent attention: one RecipeError line naming the key."""
+    with pytest.raises(RecipeError, match=message) as e:
+        load_recipe(str(REPO / "tests" / "recipes" / "deepseek_parity.yaml"), overrides)
+    assert "\n" not in str(e.value)

@@ -6,7 +6,8 @@ bytes per collective equal to the plan's count (helpers.check_layout, check_comm
 
 ep 2 x tp 2 under REDUCE_SCATTER shards the heads (q_b_proj / kv_b_proj column-parallel, the
 shared RoPE key's gradient summed over tp); ep 2 x pp 2 x dp 2 splits the layers (the dense
-layer 0 and an MoE layer on each stage) and shards them with FSDP."""
+layer 0 and an MoE layer on each stage) and shards them with FSDP; cp 2 attends over the
+keys and values gathered from the cp group at the tokens' global RoPE positions."""
 
 import json
 
@@ -20,6 +21,8 @@ DEEPSEEK = str(ROOT / "tests" / "recipes" / "deepseek_parity.yaml")
 
 CONFIGS = {
     "ep2_tp2_reduce_scatter": ["parallelism.ep=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    # each rank's zig-zag chunks at their global positions; keys and values gathered per head
+    "cp2": ["parallelism.cp=2"],
     "ep2_pp2_dp2": [
         *("parallelism.ep=2", "parallelism.pp=2", "parallelism.dp=2"),
         "training.micro_batch_size=1",  # two microbatches per dp x ep rank for pp 2
