@@ -21,6 +21,7 @@ from dtensor3d.plan.shapes import param_shapes, tp_dim
 
 REPO = Path(__file__).resolve().parents[2]
 MOE = str(REPO / "tests/recipes/moe_parity.yaml")
+DEEPSEEK = str(REPO / "tests/recipes/deepseek_parity.yaml")
 
 
 def run_plan(*args: str, importtime: bool = False) -> subprocess.CompletedProcess:
@@ -74,6 +75,10 @@ def model_configs():
         "qwen2": dataclasses.replace(dense, family="qwen2"),
         "qwen3_head_dim": dataclasses.replace(dense, family="qwen3", head_dim=24, attention_bias=True),
         "llama_biases": dataclasses.replace(dense, attention_bias=True, mlp_bias=True),
+        "deepseek_v3": load_recipe(DEEPSEEK).model,  # multi-head latent attention, low-rank q
+        "deepseek_v3_full_q_bias": dataclasses.replace(
+            load_recipe(DEEPSEEK).model, q_lora_rank=None, attention_bias=True
+        ),
     }
 
 
@@ -92,6 +97,9 @@ SPLIT = {
     "moe_shared_some_layers": 2 + 2 * 4 + 2 * 7,
     "llama_biases": 2 + 4 * (7 + 5),
     "qwen3_head_dim": 2 + 4 * (7 + 3),
+    # q_b (or q) / kv_b / o of 4 layers, gate/up/down of the dense layer 0
+    "deepseek_v3": 2 + 4 * 3 + 3,
+    "deepseek_v3_full_q_bias": 2 + 4 * 3 + 3,
 }
 
 
