@@ -14,7 +14,10 @@ stay replicated: each norm is over its whole latent, so a column-split down proj
 need an all-gather of the latent in every layer forward (and its gradient's reduction
 backward) to save a small matmul (the latent is 1536 + 576 wide against 7168 x 128 heads
 in the up projections: about 5% of the layer's attention FLOPs for DeepSeek-V3), as
-Megatron and transformers' plan keep them. One fix-up: the last qk_rope_head_dim columns
+Megatron and transformers' plan keep them. Under sequence parallelism the attention takes its
+gathered input as a plain tensor for them, so each column-parallel up projection all-reduces
+its input's gradient (together narrower than the hidden state the gather's backward would
+reduce-scatter) and the gather's backward only slices. One fix-up: the last qk_rope_head_dim columns
 of kv_a_proj_with_mqa's output are the RoPE key every head shares, so a rank's gradient of
 them covers only its heads; `SharedKeyGradient` sums it over tp (an identity forward and an
 all-reduce backward: Megatron's "f" operator), at the one place where heads meet again.
@@ -65,11 +68,23 @@ class SharedKeyGradient(ParallelStyle):
         return module
 
 
+def _mla_rows(shared_key: int) -> dict:
+    """Multi-head latent attention's own rows (q_proj and o_proj are Llama's): the per-head up
+    projections column-parallel, the shared RoPE key's gradient summed; the down projections
+    stay whole. `shared_key`: qk_rope_head_dim (0: grouped-query attention, no rows)."""
+    if not shared_key:
+        return {}
+    return {
+        "self_attn.q_b_proj": ColwiseParallel(),
+        "self_attn.kv_b_proj": ColwiseParallel(),
+        "self_attn.kv_a_proj_with_mqa": SharedKeyGradient(shared_key),
+    }
+
+
 def tp_plan(sequence_parallel: bool, moe: bool = False, shared_key: int = 0) -> tuple[dict, dict]:
     """(plan for the model's outer modules, plan for a decoder layer). A mixture-of-experts
     layer's feed-forward is replicated over tp (see parallel/expert.py): it takes the whole
-    sequence and, under sequence parallelism, hands back this rank's part. `shared_key`:
-    multi-head latent attention's qk_rope_head_dim (0: grouped-query attention)."""
+    sequence and, under sequence parallelism, hands back this rank's part. `_mla_rows`: MLA's."""
     seq = Shard(1) if sequence_parallel else Replicate()
     outer = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -80,15 +95,10 @@ def tp_plan(sequence_parallel: bool, moe: bool = False, shared_key: int = 0) -> 
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-        # multi-head latent attention: the per-head up projections; the down projections stay whole
-        "self_attn.q_b_proj": ColwiseParallel(),
-        "self_attn.kv_b_proj": ColwiseParallel(),
         # [b, heads, s, d]: this rank's heads (dim 1); a module a model lacks is skipped
         "self_attn.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
         "self_attn.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
-    }
-    if shared_key:
-        layer["self_attn.kv_a_proj_with_mqa"] = SharedKeyGradient(shared_key)
+    } | _mla_rows(shared_key)
     if not moe:
         layer.update(
             {
@@ -103,9 +113,7 @@ def tp_plan(sequence_parallel: bool, moe: bool = False, shared_key: int = 0) -> 
             {
                 "input_layernorm": SequenceParallel(),
                 "post_attention_layernorm": SequenceParallel(),
-                # The block's input arrives sharded on the sequence; gather it before q/k/v (MLA:
-                # as a plain tensor, for its replicated down projections; their input gradients
-                # are then whole and the gather's backward only slices).
+                # Gather the sequence-sharded input before q/k/v (MLA: as a plain tensor, module docstring)
                 "self_attn": PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=bool(shared_key)
                 ),
