@@ -114,14 +114,15 @@ def test_tp_dim_reads_the_tp_plan(config):
     from dtensor3d.models import build_on_meta
     from dtensor3d.parallel.tensor import tp_plan
 
-    model = build_on_meta(model_configs()[config])
+    cfg = model_configs()[config]
+    model, shared_key = build_on_meta(cfg), cfg.qk_rope_head_dim if cfg.mla else 0
     checked = 0
     for name, _ in model.named_parameters():
         path = name.rsplit(".", 1)[0]
         module = model.get_submodule(path)
         if name.startswith("model.layers."):
             layer = model.get_submodule(".".join(path.split(".")[:3]))
-            style = tp_plan(False, hasattr(layer, "block_sparse_moe"))[1].get(path.split(".", 3)[3])
+            style = tp_plan(False, hasattr(layer, "block_sparse_moe"), shared_key)[1].get(path.split(".", 3)[3])
         else:
             style = tp_plan(False)[0].get(path)
         expected = None
