@@ -23,38 +23,32 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     full_c, full_f = z.tokens * z.hidden * z.compute, z.tokens * z.hidden * FP32
     part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * FP32
     blocks = 1 if moe else 2  # attention, and the dense feed-forward (experts are replicated over tp)
-    if recipe.model.mla:
-        return _tp_mla_layer(recipe, moe)
     if not p.sequence_parallel:
         # Rowwise outputs are all-reduced forward; each colwise input's gradient backward.
-        return {"all_reduce": blocks * full_c}, {"all_reduce": (3 + 2 * (not moe)) * full_f}
-    fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
-    bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
-    if moe:  # the MoE gathers its input; backward gathers its (fp32) output's gradient
+        fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": (3 + 2 * (not moe)) * full_f}
+    else:
+        fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
+        bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
+    if moe and p.sequence_parallel:  # the MoE gathers its input; backward gathers its (fp32) output's gradient
         fwd["all_gather"] += part_f
         bwd["all_gather"] += part_f
-    return fwd, bwd
+    return fwd, _mla_backward(recipe, bwd) if recipe.model.mla else bwd
 
 
-def _tp_mla_layer(recipe, moe: bool) -> tuple[dict, dict]:
-    """(forward, backward) tp bytes of one multi-head latent attention layer: the attention
-    takes its (gathered) input as a plain tensor, so backward all-reduces the gradients of the
-    up projections' inputs (q_b_proj's latent, or q_proj's whole input; kv_b_proj's latent) and
-    of the shared RoPE key (parallel/tensor.py SharedKeyGradient) -- under sequence parallelism
-    too, where the gather's backward then only slices; the feed-forward is as for Llama."""
+def _mla_backward(recipe, bwd: dict) -> dict:
+    """A multi-head latent attention layer's backward tp bytes from a Llama layer's: its
+    attention takes its (gathered) input as a plain tensor, so instead of q/k/v's input
+    gradients (ALL_REDUCE; sequence parallelism: the gather's reduce-scatter, which now only
+    slices) it all-reduces those of the up projections' inputs (q_b_proj's latent, or
+    q_proj's whole input; kv_b_proj's latent) and of the shared RoPE key
+    (parallel/tensor.py SharedKeyGradient)."""
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
     q_in = m.q_lora_rank * z.compute if m.q_lora_rank else z.hidden * FP32
     ar = z.tokens * (q_in + (m.kv_lora_rank + m.qk_rope_head_dim) * z.compute)
-    full_c, full_f = z.tokens * z.hidden * z.compute, z.tokens * z.hidden * FP32
-    part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * FP32
-    if not p.sequence_parallel:
-        return {"all_reduce": (2 - moe) * full_c}, {"all_reduce": ar + 2 * full_f * (not moe)}
-    fwd = {"all_gather": (2 - moe) * part_f, "reduce_scatter": (2 - moe) * full_c}
-    bwd = {"all_gather": (2 - moe) * part_c, "reduce_scatter": full_f * (not moe), "all_reduce": ar}
-    if moe:  # the MoE gathers its input; backward gathers its (fp32) output's gradient
-        fwd["all_gather"] += part_f
-        bwd["all_gather"] += part_f
-    return fwd, bwd
+    full_f = z.tokens * z.hidden * FP32
+    if p.sequence_parallel:
+        return {**bwd, "reduce_scatter": bwd["reduce_scatter"] - full_f, "all_reduce": bwd.get("all_reduce", 0) + ar}
+    return {**bwd, "all_reduce": bwd["all_reduce"] - 3 * full_f + ar}
 
 
 def replays_forward(recipe) -> bool:
