@@ -106,6 +106,11 @@ def test_document_masking_parity_across_meshes(packed, tmp_path):
     recipe = load_recipe(PARITY, common)
     masked, unmasked = first_loss(recipe, True), first_loss(recipe, False)
     assert abs(one[0]["loss"] - masked) <= 1e-6 * masked < abs(unmasked - masked) / 10, (one[0], masked, unmasked)
+    source = make_source(recipe)
+    positions = local_documents(recipe, source, 0)["position_ids"]  # global batch 0: 8 windows of 32
+    assert (positions[:, 8::8] > 0).sum() >= 8  # documents running over cp 2's chunk edges (every 8 tokens)
+    offsets = np.fromfile(packed / "train_docs.bin", "<i8")
+    assert sum(source.window(i) * 32 not in offsets for i in range(8)) >= 4  # windows that begin inside a document
     lrs = scheduled_lrs(PARITY, common)
     for name, mesh in MESHES.items():
         got = train_metrics(tmp_path / name, 4, [*common, *mesh])
