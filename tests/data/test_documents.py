@@ -19,6 +19,7 @@ from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.datasets.tokens import window_documents
 from dtensor3d.models import build_on_meta, materialize
+from dtensor3d.models.layers import ModelHooks
 from dtensor3d.parallel.data import local_batch, local_documents
 from dtensor3d.parallel.shards import init_weights
 
@@ -77,6 +78,23 @@ def test_plan_says_what_document_masking_saves(packed):
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("document masking"))
     assert "attention" in line and "FLOPs" in line
+
+
+def test_recompute_modes_pass_the_documents_through():
+    # Activation checkpointing re-runs each block with the same keywords: full and selective
+    # recompute give the gradients of no recompute, and the documents change them.
+    recipe = load_recipe(PARITY, ["model.num_hidden_layers=1"])
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    docs = {"position_ids": torch.cat([torch.arange(10), torch.arange(22)]).expand(2, 32)}
+    docs["document_ids"] = (torch.arange(32) >= 10).long().expand(2, 32)
+    grads = {}
+    for mode, given in (("none", docs), ("full", docs), ("selective", docs), ("none ", {})):
+        model = materialize(build_on_meta(recipe.model, hooks=ModelHooks(recompute=mode.strip())), "cpu")
+        init_weights(model, 1)
+        model(ids, **given).square().mean().backward()
+        grads[mode] = torch.cat([q.grad.flatten() for q in model.parameters()])
+    assert torch.equal(grads["full"], grads["none"]) and torch.equal(grads["selective"], grads["none"])
+    assert (grads["none "] - grads["none"]).abs().max() > 1e-6
 
 
 def first_loss(recipe, masked: bool) -> float:
