@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import PARITY, assert_parity, cli, one_error_line, scheduled_lrs, train_metrics
+from helpers import PARITY, assert_parity, check_comm, cli, one_error_line, scheduled_lrs, train_metrics
 
 from dtensor3d.__main__ import main
 from dtensor3d.config.load import load_recipe
@@ -131,6 +131,8 @@ def test_document_masking_parity_across_meshes(packed, tmp_path):
     assert sum(source.window(i) * 32 not in offsets for i in range(8)) >= 4  # windows that begin inside a document
     lrs = scheduled_lrs(PARITY, common)
     for name, mesh in MESHES.items():
-        got = train_metrics(tmp_path / name, 4, [*common, *mesh])
+        got = train_metrics(tmp_path / name, 4, [*common, *mesh, "logging.layout=true"])
         worst = assert_parity(got, one, lrs)
+        # plan's estimate of each collective's bytes (the document ids' gather under cp included)
+        check_comm(tmp_path / name, load_recipe(PARITY, [*common, *mesh]))
         print(name, worst)
