@@ -46,11 +46,16 @@ def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_index: torch.Ten
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
     """Causal attention within documents: q: [b, h, s, d]; k, v: [b, kv_h, s, d];
-    document_ids: [b, s] (packed documents; data.document_masking). SDPA with a boolean mask,
-    on every device (on CPU torch runs its flash kernel with the mask)."""
+    document_ids: [b, s] (packed documents; data.document_masking). SDPA with a boolean mask
+    on every device: on CPU torch runs its flash kernel with the mask, on CUDA the
+    memory-efficient one. K/V heads are repeated for grouped-query attention first: SDPA's
+    enable_gqa with a mask would fall back to the math kernel on CUDA ([b, h, s, s] kept)."""
     index = torch.arange(q.shape[2], device=q.device)
     mask = document_mask(document_ids, document_ids, index, index)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class KVCache:
