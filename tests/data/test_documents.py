@@ -1,6 +1,6 @@
 """Document masking (data.document_masking): each window's positions and document ids from
 a prepared directory's document offsets, the door, plan's line, and loss parity of packed
-short documents (straddling cp chunks, windows and microbatches) at dp 2 x cp 2, cp 2 x tp 2
+short documents (straddling cp chunks, windows and microbatches) at dp 2 x cp 2 (HSDP), cp 2 x tp 2
 (REDUCE_SCATTER) and pp 2 x tp 2 against one process, whose first loss is recomputed here."""
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def first_loss(recipe, masked: bool) -> float:
 
 
 MESHES = {
-    "dp2_cp2": ["parallelism.dp=2", "parallelism.cp=2"],
+    # HSDP: FSDP over dp_shard x cp (2), replicated over dp_replicate (2)
+    "dp2_cp2_hsdp": ["parallelism.dp=2", "parallelism.cp=2", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=1"],
     "cp2_tp2_reduce_scatter": ["parallelism.cp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
     "pp2_tp2": ["parallelism.pp=2", "parallelism.tp=2"],
 }
