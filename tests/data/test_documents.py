@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from helpers import PARITY, assert_parity, check_comm, cli, one_error_line, scheduled_lrs, train_metrics
 
 from dtensor3d.__main__ import main
+from dtensor3d.checkpoint.check import check_trajectory
 from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.datasets.tokens import window_documents
+from dtensor3d.errors import CheckpointError
 from dtensor3d.models import build_on_meta, materialize
 from dtensor3d.models.layers import ModelHooks
 from dtensor3d.parallel.data import local_batch, local_documents
@@ -71,6 +73,17 @@ def test_document_masking_needs_a_prepared_directory(tmp_path):
     args = [f"data.path={tmp_path / 't.npy'}", "data.kind=tokens", "training.eval_every=0"]
     line = one_error_line(cli("validate", PARITY, *args, "data.document_masking=true"))
     assert "data.document_masking" in line and "t.npy" in line and "single token file" in line
+
+
+def test_resume_keeps_document_masking(packed):
+    # A resume continues the saved trajectory: switching the masking is refused (a checkpoint
+    # from before the key existed counts as unmasked).
+    recipe = load_recipe(PARITY, data_overrides(packed))
+    saved = recipe.to_dict()
+    older = {"step": 2, "recipe": dict(saved, data={k: v for k, v in saved["data"].items() if k != "document_masking"})}
+    with pytest.raises(CheckpointError, match=r"data\.document_masking=False but the recipe has True"):
+        check_trajectory(older, recipe, "state.json")
+    check_trajectory({"step": 2, "recipe": saved}, recipe, "state.json")
 
 
 def test_plan_says_what_document_masking_saves(packed):
