@@ -21,8 +21,9 @@ serves CPU and GPU, with two kernels behind one switch, `cp_kernel(device)`:
 Packed documents (data.document_masking): each rank's tokens come with their document ids
 (the whole window's numbering, sharded like the tokens); they are all-gathered beside K and
 V, and a query sees a key only when it is of the same document as well as not later. The
-flash kernel then passes each block its mask and leaves out the blocks no query sees a key
-of, the masked kernel ANDs the documents into its mask: one switch, equal results
+flash kernel then passes each block its mask and leaves out the keys (and whole blocks) no
+query of the block sees -- attention work saved where documents are shorter than the
+sequence; the masked kernel ANDs the documents into its mask: one switch, equal results
 (tests/parallel/test_context.py).
 """
 
@@ -100,8 +101,9 @@ def _causal_blocks(chunk: int, size: int):
 def _blocks(chunk: int, size: int, rows: slice, docs: tuple | None):
     """(key slice, is_causal, mask) of query chunk `chunk` (its rows of q: `rows`). With
     documents (q_docs [b, s_local], k_docs [b, S] in global order) the mask is an additive
-    [b, 1, size, keys] one (0 where the same document and causal, -inf elsewhere) and a block
-    no query of which sees any key is left out: short documents skip most earlier chunks."""
+    [b, 1, size, keys] one (0 where the same document and causal, -inf elsewhere), the keys
+    before the first one any query sees are cut off, and a block no query of which sees any
+    key is left out: short documents skip most of the earlier chunks' keys."""
     for keys, causal in _causal_blocks(chunk, size):
         if docs is None:
             yield keys, causal, None
@@ -109,9 +111,12 @@ def _blocks(chunk: int, size: int, rows: slice, docs: tuple | None):
         q_index = torch.arange(chunk * size, (chunk + 1) * size, device=docs[0].device)
         k_index = torch.arange(keys.start, keys.stop, device=docs[0].device)
         allowed = document_mask(docs[0][:, rows], docs[1][:, keys], q_index, k_index)
-        if allowed.any():
+        seen = allowed.flatten(0, 2).any(0).nonzero()  # key columns some query sees
+        if len(seen):
+            first = int(seen[0])
+            allowed = allowed[..., first:]
             mask = torch.zeros(allowed.shape, dtype=docs[2], device=allowed.device)
-            yield keys, False, mask.masked_fill(~allowed, float("-inf"))
+            yield slice(keys.start + first, keys.stop), False, mask.masked_fill(~allowed, float("-inf"))
 
 
 def _flash_block(flash, q, k, v, causal: bool, mask: torch.Tensor | None):

@@ -106,8 +106,8 @@ def _estimate_lines(recipe, est: dict) -> list[str]:
     )
     if recipe.data.document_masking:
         lines.append(
-            "document masking: attention FLOPs counted in full -- the mask is applied inside full causal attention "
-            "(SDPA), which saves no FLOPs; only the CPU cp flash kernel skips blocks without a same-document pair"
+            "document masking: attention FLOPs counted in full (not modelled: SDPA applies the mask inside full causal "
+            "attention and saves none; under cp the CPU flash kernel skips the keys no query of a chunk sees)"
         )
     lines.append("bytes one rank hands to collectives per step, by mesh dim (the busiest stage):")
     for dim, kinds in est["comm_bytes_per_step"].items():

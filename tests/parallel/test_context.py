@@ -91,14 +91,19 @@ def _per_document(q, k, v, lengths):
     return torch.cat(rows)
 
 
+# Documents of 1 to 14 tokens straddling the 2*cp chunks (the flash kernel cuts the keys no
+# query of a chunk sees), and documents ending on chunk edges (it skips whole blocks).
+PACKED = {"straddling": [[5, 1, 13, 3, 10], [2, 9, 7, 14]], "on_chunk_edges": [[4] * 8, [8, 4, 4, 4, 4, 8]]}
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_kernels_agree_on_packed_documents(cp):
-    # Documents of 1 to 13 tokens straddling the 2*cp chunks (4 tokens at cp 4): the
-    # single-device document attention and both cp kernels (each rank's queries against the
-    # gathered keys and ids) give the outputs and gradients of each document run alone.
+@pytest.mark.parametrize("packing", list(PACKED))
+def test_kernels_agree_on_packed_documents(cp, packing):
+    # The single-device document attention and both cp kernels (each rank's queries against
+    # the gathered keys and ids) give the outputs and gradients of each document run alone.
     g = torch.Generator().manual_seed(cp)
     b, h, kv, s, d = 2, 4, 2, 32, 8
-    lengths = [[5, 1, 13, 3, 10], [2, 9, 7, 14]]
+    lengths = PACKED[packing]
     docs = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths])  # [b, s]
     q = torch.randn(b, s, h, d, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(b, kv, s, d, generator=g, requires_grad=True) for _ in range(2))
