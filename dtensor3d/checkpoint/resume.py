@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.lr import keep_curve_advice, lr_at
-from ..errors import CheckpointError, UserError, is_rank0
+from ..errors import RESIZE_CAUSE, CheckpointError, UserError, is_rank0
 from .check import check_checkpoint, check_trajectory
 from .find import resume_target
 from .format import STATE, corrupt, read_manifest, sha256_file
@@ -115,6 +115,21 @@ def note_grown_steps(record: dict, recipe) -> None:
     )
 
 
+def resize_line(saved_recipe: dict, recipe, cause: str | None) -> str | None:
+    """`resized: dp 4 -> 2 (node 1 lost), global batch 16 kept, 2 -> 4 microbatches per rank` when the
+    run resumes at another data-parallel size (an elastic job's new world: launch/elastic.py)."""
+    par, tr = saved_recipe.get("parallelism") or {}, saved_recipe.get("training") or {}
+    dp, p = par.get("dp"), recipe.parallelism
+    if dp is None or dp == p.dp:
+        return None
+    saved_micro = tr["global_batch_size"] // (tr["micro_batch_size"] * par.get("ep", 1) * dp)
+    why = f" ({cause})" if cause else ""
+    return (
+        f"resized: dp {dp} -> {p.dp}{why}, global batch {recipe.training.global_batch_size} kept, "
+        f"{saved_micro} -> {recipe.num_microbatches} microbatches per rank"
+    )
+
+
 def resume(state, step_dir: str) -> None:
     """Model, optimizer, step and RNG of `state` from a step directory."""
     record = check_checkpoint(step_dir, state.recipe.model, hashes=False)
@@ -127,6 +142,9 @@ def resume(state, step_dir: str) -> None:
     state.step = int(record["step"])
     if is_rank0():
         note_grown_steps(record, state.recipe)
+        line = resize_line(record.get("recipe") or {}, state.recipe, os.environ.get(RESIZE_CAUSE))
+        if line:
+            print(line, file=sys.stderr, flush=True)
     rng = record.get("rng") or {}
     if "cpu" in rng:
         torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
