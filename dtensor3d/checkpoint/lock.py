@@ -58,13 +58,18 @@ def check_lock(ckpt_dir: str) -> dict | None:
     holder = read_lock(path)
     if holder is None or is_stale(holder):
         return holder
-    if holder.get("job") and holder.get("job") == os.environ.get(JOB):
+    if held_by_this_job(holder):
         return None  # held by this job's rank 0 (another node, or a node coming back to it)
     who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since {holder.get('since', '?')}"
     raise CheckpointError(
         f"checkpoint.dir={ckpt_dir!r} is in use by another run ({who}; {path}); one run at a time writes "
         f"a checkpoint directory: wait for it, use another checkpoint.dir, or delete {path} if that run is gone"
     )
+
+
+def held_by_this_job(holder: dict | None) -> bool:
+    """The lock's holder is a running rank 0 of this multi-node job (launch.sh's DTENSOR3D_JOB)."""
+    return bool(holder and holder.get("job") and holder.get("job") == os.environ.get(JOB))
 
 
 def _create(path: str) -> bool:
