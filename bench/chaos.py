@@ -66,6 +66,12 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+def stepped_since(run_dir: Path, since: float) -> bool:
+    """The job logged a step after `since` (its launch, or the last fault): it is training."""
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and path.stat().st_mtime > since
+
+
 def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in records(run_dir)), default=0)
 
@@ -165,8 +171,9 @@ def soak(steps: int, plan: list[tuple[int, str]], work: Path, seed: int, say) ->
         if job is None or not job.running():
             if job is not None and job.proc.returncode == 0 and last_step(run_dir) >= steps and not pending:
                 return injected, time.monotonic() - start, True
-            job, launches = Launch(args, log), launches + 1
-        if pending and last_step(run_dir) >= pending[0][0] and job.ranks():
+            job, launches, since = Launch(args, log), launches + 1, time.time()
+        if pending and stepped_since(run_dir, since) and last_step(run_dir) >= pending[0][0] and job.ranks():
+            since = time.time()
             step, kind = pending.pop(0)
             injected += 1
             say(f"step {last_step(run_dir)}: fault {injected} ({kind}): {inject(kind, job, work, rng)}")
@@ -182,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=None, help="a directory for the runs (default: a temporary one)")
     args = parser.parse_args(argv)
     if not 0 < args.faults <= args.steps - 3:
-        print(f"error: --faults={args.faults} must be in 1..{args.steps - 3} (one fault a step at most)", file=sys.stderr)
+        print(
+            f"error: --faults={args.faults} must be in 1..{args.steps - 3} (one fault a step at most)", file=sys.stderr
+        )
         return 2
     work = Path(args.work or tempfile.mkdtemp(prefix="chaos-"))
     say = lambda line: print(line, flush=True)  # noqa: E731
