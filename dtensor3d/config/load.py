@@ -241,8 +241,12 @@ def _resolve_auto_dp(raw: dict[str, Any], world_size: int | None) -> dict[str, A
 
 
 def read_recipe_raw(path: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """The recipe file's mapping with the overrides applied, nothing resolved or checked."""
-    return _apply_overrides({str(k): v for k, v in _read_yaml(path).items()}, overrides)
+    """The recipe file's mapping with the overrides applied, nothing resolved or checked (a
+    nanotron config: its mapping as read; its dp is always a number)."""
+    raw = _read_yaml(path)
+    if nanotron_keys.is_nanotron(raw):
+        return raw
+    return _apply_overrides({str(k): v for k, v in raw.items()}, overrides)
 
 
 def _model_from_hf(raw: dict[str, Any]) -> dict[str, Any]:

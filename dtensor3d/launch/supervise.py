@@ -284,6 +284,13 @@ def failed_first(agent) -> str:
     return f"; {summary(agent.attempts[-1])}" if agent.attempts else ""
 
 
+def agent_for(spec, config, stopping: threading.Event, args, cmd_args: list[str], rdzv):
+    """The agent, after the nodes met (multi-node); a resize waits for the ranks' save."""
+    watch = meet_nodes(args, config, cmd_args, rdzv)
+    resize_s = job_recipe(cmd_args, smallest_world(config)).checkpoint.preempt_timeout_s + 10 if watch else 60.0
+    return make_agent(spec, config, stopping, watch, resize_s)
+
+
 def launch(args, stopping: threading.Event):
     """torch's launcher.api.launch_agent, less its metrics, events and health-check server:
     run the agent; return it (its `attempts`) and whether the workers succeeded (None: the
@@ -317,9 +324,7 @@ def launch(args, stopping: threading.Event):
     except RendezvousConnectionError:  # node 0's store never came up
         raise NodesError(unreachable(rdzv, "could not be reached")) from None
     spec = dataclasses.replace(spec, rdzv_handler=handler)
-    watch = meet_nodes(args, config, cmd_args, rdzv)
-    resize_s = job_recipe(cmd_args, smallest_world(config)).checkpoint.preempt_timeout_s + 10 if watch else 60.0
-    agent = make_agent(spec, config, stopping, watch, resize_s)
+    agent = agent_for(spec, config, stopping, args, cmd_args, rdzv)
     try:
         result = agent.run()  # None: torch's own "graceful exit" of the rendezvous
     except RendezvousClosedError:  # a restart found the rendezvous closed
