@@ -1,10 +1,11 @@
 """The tests' fixtures (runs shared within a session) and the two tiers' table; the helpers
-themselves are in tests/helpers.py."""
+themselves are in tests/helpers.py (real launch.sh jobs: tests/jobs.py)."""
 
 from pathlib import Path
 
 import pytest
 from helpers import PARITY, train_metrics
+from jobs import Job
 
 
 @pytest.fixture(scope="session")
@@ -101,3 +102,17 @@ def pytest_collection_modifyitems(config, items):
         quick = item.path.name in QUICK_FILES and item.originalname not in SLOW_IN_QUICK_FILES
         if not quick and item.nodeid not in SMOKE:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def jobs():
+    """Job(...) for a test; those still running at its end are stopped (Job.stop)."""
+    started = []
+
+    def start(*args, **kwargs) -> Job:
+        started.append(Job(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.stop()

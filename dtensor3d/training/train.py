@@ -245,6 +245,7 @@ def train(recipe: Recipe) -> list[dict]:
     finally:
         _close(found, guard)
     guard.final_barrier()  # every rank reached the end: only then the `done:` line
-    log.done()
+    if not guard.resizing:  # an elastic resize: the job goes on with new ranks
+        log.done()
     dist.destroy_process_group()
     return log.records
