@@ -52,18 +52,26 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return rearrange(q, "b s (h d) -> b h s d", d=self.nope + self.rope)  # [b, heads, s, qk]
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """`cache` (generation, single device): x holds the tokens after cache.length; their
-        keys/values (expanded per head) join the cache."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As Llama's Attention.forward: `cache` (generation, single device; the keys/values
+        cached are expanded per head), `position_ids` / `document_ids` (packed documents)."""
         q_nope, q_rot = self._query(x).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)
         kv = rearrange(self.kv_b_proj(self.kv_a_layernorm(latent)), "b s (h d) -> b h s d", d=self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [b, heads, s, nope], [b, heads, s, v]
         k_rot = k_rot.unsqueeze(1)  # [b, 1, s, rope]: one RoPE key for every head
-        if cache is None:  # the whole sequence, or this rank's part of it under context parallelism
-            positions = self.sequence.positions(x.shape[1], x.device)
-        else:
+        if cache is not None:
             positions = torch.arange(cache.length, cache.length + x.shape[1], device=x.device)
+        elif position_ids is not None:
+            positions = position_ids
+        else:  # the whole sequence, or this rank's part of it under context parallelism
+            positions = self.sequence.positions(x.shape[1], x.device)
         cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         q_rot, k_rot = (apply_rope(t, cos, sin, self.interleaved) for t in (q_rot, k_rot))
@@ -72,7 +80,7 @@ class MultiHeadLatentAttention(nn.Module):
             q = q * self.q_factor
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)  # [b, heads, s, qk]
         if cache is None:
-            out = self.sequence.attention(q, k, v)  # [b, heads, s, v]
+            out = self.sequence.attention(q, k, v, document_ids)  # [b, heads, s, v]
         else:
             out = cached_attention(q, *cache.update(self, k, v))
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
