@@ -115,7 +115,7 @@ def test_logits_equal_transformers(family):
 
 # The families whose attention differs in what positions do: llama3 and yarn RoPE scalings,
 # Qwen3's per-head q/k norms and head_dim (qwen2 and mistral attend as llama does).
-@pytest.mark.parametrize("family", ["llama3", "llama_yarn", "qwen3"], indirect=True)
+@pytest.mark.parametrize("family", ["llama3", "llama_yarn", "qwen3", "deepseek_v3"], indirect=True)
 def test_packed_documents_equal_each_document_alone(family):
     # Two windows of a packed stream (documents of 1 to 45 tokens, the first window starting
     # inside one): the positions and document ids data.document_masking gives them (the
