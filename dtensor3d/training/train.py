@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,8 +37,6 @@ from .optim import build_optimizer, clip_, grad_sq_partial, replication
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 @dataclass
 class TrainState:
@@ -52,7 +49,7 @@ class TrainState:
     model: nn.Module  # this rank's model part (the whole model when pp == 1)
     optimizer: torch.optim.Optimizer
     schedule: _PipelineSchedule | None  # the pipeline schedule when pp > 1
-    loss_fn: LossFn
+    loss_fn: TokenLoss  # its `tokens` (the denominator) is set before each step
     params: list[nn.Parameter]  # the trainable parameters, in a fixed order
     norm_weights: list[float]  # 1 / replication of each parameter, for the global grad norm
     step: int = 0
@@ -70,14 +67,22 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-def make_loss_fn(global_tokens: int) -> LossFn:
-    """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
-    and gradients that only need summing across ranks and microbatches."""
+class TokenLoss:
+    """Sum of token losses / `tokens`, the targets that count in the whole global batch: the
+    same number at any mesh, and gradients that only need summing across ranks and
+    microbatches. Targets a loss mask excludes (data.IGNORE) add nothing; `tokens` is then
+    the global count of the others, set before each step (`train_step`) and each evaluation."""
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
+    def __init__(self, tokens: int):
+        self.tokens = tokens
 
-    return loss_fn
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat = logits.flatten(0, 1).float()
+        return F.cross_entropy(flat, targets.flatten(0, 1), reduction="sum", ignore_index=data.IGNORE) / self.tokens
+
+
+def make_loss_fn(global_tokens: int) -> TokenLoss:
+    return TokenLoss(global_tokens)
 
 
 def setup(recipe: Recipe) -> TrainState:
@@ -139,12 +144,15 @@ def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor
     return total
 
 
-def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """One optimizer step over one global batch; returns loss, grad_norm and lr (and the MoE
+def train_step(state: TrainState, batch: tuple) -> dict:
+    """One optimizer step over one global batch (inputs, targets[, the global count of the
+    targets that count: `rank_batch`]); returns loss, grad_norm and lr (and the MoE
     statistics for a model with experts)."""
-    recipe = state.recipe
+    recipe, (inputs, targets, *count) = state.recipe, batch
+    t = recipe.training
+    state.loss_fn.tokens = max(count[0], 1) if count else t.global_batch_size * t.sequence_length
     state.optimizer.zero_grad(set_to_none=True)
-    loss_sum = forward_backward(state, *batch)
+    loss_sum = forward_backward(state, inputs, targets)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
@@ -172,12 +180,12 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     return metrics
 
 
-def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """This rank's (inputs, targets) of global batch `step`: its samples (dp, ep) and its
-    tokens of each (cp), on its device."""
+    tokens of each (cp), on its device; and the global count of targets that count."""
     batch = data.rank_samples(state.recipe, state.coords, source, step)
     inputs, targets = context.shard_batch(batch, state.recipe.parallelism, state.coords)
-    return inputs.to(state.device), targets.to(state.device)
+    return inputs.to(state.device), targets.to(state.device), data.loss_tokens(state.recipe, source, step)
 
 
 def _banner(state: TrainState) -> str:
