@@ -93,7 +93,7 @@ class TokenStream:
         while length > 0:
             offset = start - int(self.starts[k])
             part = files[k][offset : offset + length]
-            out.append(np.asarray(part, dtype=np.uint8 if masks else np.int64))
+            out.append(np.array(part, dtype=np.uint8) if masks else np.asarray(part, dtype=np.int64))
             start, length, k = start + len(part), length - len(part), k + 1
         return np.concatenate(out) if len(out) > 1 else out[0]
 
