@@ -114,12 +114,14 @@ def prune(ckpt_dir: str, step: int, keep: int) -> None:
 
 
 TOKENIZER = "tokenizer.json"
+CHAT_TEMPLATE = "chat_template.jinja"
 
 
 def copy_tokenizer(recipe, step_tmp: str) -> None:
     """data.kind tokens over a prepared directory: its tokenizer.json into the step directory
     (before sealing, so the manifest lists it), for generate and export-hf."""
     d = recipe.data
-    src = os.path.join(d.path, TOKENIZER) if d.kind == "tokens" and d.path else None
-    if src and os.path.isfile(src):
-        shutil.copyfile(src, os.path.join(step_tmp, TOKENIZER))
+    for name in (TOKENIZER, CHAT_TEMPLATE):  # the chat template of data prepared with --chat
+        src = os.path.join(d.path, name) if d.kind == "tokens" and d.path else None
+        if src and os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(step_tmp, name))
