@@ -9,8 +9,10 @@ import json
 
 import numpy as np
 import pytest
-from helpers import chat_rows, chat_tokenizer_dir, cli, one_error_line, write_jsonl
+from helpers import PARITY, chat_rows, chat_tokenizer_dir, cli, one_error_line, write_jsonl
 
+from dtensor3d.config.load import load_recipe
+from dtensor3d.datasets.door import check_prepared_dir
 from dtensor3d.datasets.prepare import PrepareOptions, prepare
 from dtensor3d.errors import DataError
 
@@ -48,6 +50,16 @@ def test_chat_tokens_and_mask_match_transformers(tmp_path):
         assert masks[doc].tolist() == want["assistant_masks"] + [0], k
         counted += sum(want["assistant_masks"])
     assert 0 < counted < len(tokens) // 2  # prompts (and the default system turn) are most of it
+    # The door checks the masks as it checks the shards: size, then (validate) sha256.
+    recipe = load_recipe(PARITY, ["data.kind=tokens", f"data.path={tmp_path / 'out'}", "model.vocab_size=304"])
+    check_prepared_dir(str(tmp_path / "out"), recipe, hashes=True)
+    mask = tmp_path / "out" / meta["splits"]["train"]["shards"][1]["mask"]
+    mask.write_bytes(bytes(1 - b for b in mask.read_bytes()))
+    with pytest.raises(DataError, match=f"{mask}: sha256 differs"):
+        check_prepared_dir(str(tmp_path / "out"), recipe, hashes=True)
+    mask.write_bytes(mask.read_bytes()[:-1])
+    with pytest.raises(DataError, match=f"{mask}: .* bytes, but meta.json records"):
+        check_prepared_dir(str(tmp_path / "out"), recipe, hashes=False)
 
 
 def test_chat_loss_roles_and_a_template_file(tmp_path):

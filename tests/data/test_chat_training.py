@@ -62,8 +62,12 @@ def test_masked_loss_parity_and_plain_pytorch(tmp_path):
     # Uneven: the two dp ranks of step 1 hold different counts of counted targets.
     counts = [int((local_batch(recipe, source, 0, r, 2)[1] != IGNORE).sum()) for r in (0, 1)]
     assert counts[0] != counts[1] and min(counts) > 0, counts
-    one = train_metrics(tmp_path / "one", 1, overrides)
+    one = train_metrics(tmp_path / "one", 1, [*overrides, f"checkpoint.dir={tmp_path / 'ck'}"])
     four = train_metrics(tmp_path / "four", 4, [*overrides, "parallelism.dp=2", "parallelism.tp=2"])
+    # The checkpoint carries the template beside the tokenizer (generate --chat, export-hf find it).
+    step_dir = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()
+    assert (step_dir / "chat_template.jinja").read_bytes() == (out / "chat_template.jinja").read_bytes()
+    assert "chat_template.jinja" in (step_dir / "manifest.json").read_text()
     for key in ("loss", "grad_norm", "val_loss"):
         got, ref = ([r[key] for r in run if key in r] for run in (four, one))
         assert len(ref) == 2
