@@ -5,9 +5,8 @@ Evaluation batch b holds validation samples [b * global_batch_size, (b + 1) *
 global_batch_size), split over the ranks exactly as a training batch is, so the set and
 the number are the same at every mesh. Each batch's loss is normalised like a training
 loss (by the tokens of the global batch); their mean over `eval_batches` is the mean token
-loss. With a loss mask (--chat data) the sum of every batch's unmasked token losses is
-divided by the count of unmasked targets over all `eval_batches` batches (not a mean of
-per-batch means).
+loss. With a loss mask (--chat data) the masked targets add nothing and their sum is
+divided by the count of counted targets over all `eval_batches` batches instead.
 """
 
 from __future__ import annotations
@@ -41,11 +40,8 @@ def _forward_only(state, inputs: torch.Tensor, targets: torch.Tensor) -> torch.T
 def validation_loss(state, source, compute_context) -> dict:
     """{"val_loss", "val_ppl"} over recipe.training.eval_batches batches of `source`
     (sample(i) -> a validation window). Every rank calls this; all get the same numbers."""
-    recipe, p, t = state.recipe, state.recipe.parallelism, state.recipe.training
+    recipe, p = state.recipe, state.recipe.parallelism
     total = torch.zeros((), device=state.device)
-    counted = data.loss_tokens(recipe, source, 0, t.eval_batches)  # the targets of all batches
-    per_batch = t.global_batch_size * t.sequence_length
-    state.loss_fn.tokens = max(counted, 1) if getattr(source, "masked", False) else per_batch
     with torch.no_grad(), tensor.loss_context(p), compute_context:
         for b in range(recipe.training.eval_batches):
             batch = data.rank_samples(recipe, state.coords, source, b)
@@ -55,5 +51,13 @@ def validation_loss(state, source, compute_context) -> dict:
     total = total * reports
     dist.all_reduce(total)
     expert.step_stats(state.model, recipe, state.coords, state.device)  # drop the routing records of eval
-    loss = total.item() / (max(counted, 1) / state.loss_fn.tokens)  # unmasked: / eval_batches, as the mean
+    loss = total.item() / recipe.training.eval_batches
+    if getattr(source, "masked", False):  # the batch losses' sum over the counted targets of all batches
+        t = recipe.training
+        loss = (
+            total.item()
+            * t.global_batch_size
+            * t.sequence_length
+            / max(data.loss_tokens(recipe, source, 0, t.eval_batches), 1)
+        )
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}

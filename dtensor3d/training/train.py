@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,8 @@ from .optim import build_optimizer, clip_, grad_sq_partial, replication
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass
 class TrainState:
@@ -49,7 +52,7 @@ class TrainState:
     model: nn.Module  # this rank's model part (the whole model when pp == 1)
     optimizer: torch.optim.Optimizer
     schedule: _PipelineSchedule | None  # the pipeline schedule when pp > 1
-    loss_fn: TokenLoss  # its `tokens` (the denominator) is set before each step
+    loss_fn: LossFn
     params: list[nn.Parameter]  # the trainable parameters, in a fixed order
     norm_weights: list[float]  # 1 / replication of each parameter, for the global grad norm
     step: int = 0
@@ -67,22 +70,16 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-class TokenLoss:
-    """Sum of token losses / `tokens`, the targets that count in the whole global batch: the
-    same number at any mesh, and gradients that only need summing across ranks and
-    microbatches. Targets a loss mask excludes (data.IGNORE) add nothing; `tokens` is then
-    the global count of the others, set before each step (`train_step`) and each evaluation."""
+def make_loss_fn(global_tokens: int) -> LossFn:
+    """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
+    and gradients that only need summing across ranks and microbatches. A target a loss mask
+    excludes is data.IGNORE, cross_entropy's default ignore_index: it adds nothing (the step
+    then renormalises by the count of the others, `renormalise`)."""
 
-    def __init__(self, tokens: int):
-        self.tokens = tokens
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        flat = logits.flatten(0, 1).float()
-        return F.cross_entropy(flat, targets.flatten(0, 1), reduction="sum", ignore_index=data.IGNORE) / self.tokens
-
-
-def make_loss_fn(global_tokens: int) -> TokenLoss:
-    return TokenLoss(global_tokens)
+    return loss_fn
 
 
 def setup(recipe: Recipe) -> TrainState:
@@ -144,15 +141,13 @@ def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor
     return total
 
 
-def train_step(state: TrainState, batch: tuple) -> dict:
-    """One optimizer step over one global batch (inputs, targets[, the global count of the
-    targets that count: `rank_batch`]); returns loss, grad_norm and lr (and the MoE
-    statistics for a model with experts)."""
-    recipe, (inputs, targets, *count) = state.recipe, batch
-    t = recipe.training
-    state.loss_fn.tokens = max(count[0], 1) if count else t.global_batch_size * t.sequence_length
+def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor], loss_tokens: int | None = None) -> dict:
+    """One optimizer step over one global batch; returns loss, grad_norm and lr (and the MoE
+    statistics for a model with experts). `loss_tokens`: the global count of the targets that
+    count, where a loss mask excludes some (data.loss_tokens; None: every target counts)."""
+    recipe = state.recipe
     state.optimizer.zero_grad(set_to_none=True)
-    loss_sum = forward_backward(state, inputs, targets)
+    loss_sum = renormalise(state, forward_backward(state, *batch), loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
@@ -180,12 +175,27 @@ def train_step(state: TrainState, batch: tuple) -> dict:
     return metrics
 
 
-def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def renormalise(state: TrainState, loss_sum: torch.Tensor, loss_tokens: int | None) -> torch.Tensor:
+    """A loss mask (data prepared with --chat): the microbatch losses were divided by every
+    target of the global batch, the masked ones adding nothing (data.IGNORE); multiply the
+    loss and the gradients by (all targets / counted targets), so both are normalised by the
+    global count of counted targets (the same number at every mesh). Without a mask (or with
+    every target counted) nothing is touched."""
+    t = state.recipe.training
+    full = t.global_batch_size * t.sequence_length
+    if loss_tokens is None or loss_tokens == full:
+        return loss_sum
+    scale = full / max(loss_tokens, 1)  # a batch with nothing to learn: loss 0, no gradient
+    torch._foreach_mul_([local(q.grad) for q in state.params if q.grad is not None], scale)
+    return loss_sum * scale
+
+
+def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (inputs, targets) of global batch `step`: its samples (dp, ep) and its
-    tokens of each (cp), on its device; and the global count of targets that count."""
+    tokens of each (cp), on its device."""
     batch = data.rank_samples(state.recipe, state.coords, source, step)
     inputs, targets = context.shard_batch(batch, state.recipe.parallelism, state.coords)
-    return inputs.to(state.device), targets.to(state.device), data.loss_tokens(state.recipe, source, step)
+    return inputs.to(state.device), targets.to(state.device)
 
 
 def _banner(state: TrainState) -> str:
@@ -204,7 +214,8 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
     if is_rank0() and (note := epoch_note(source, recipe, state.step)):
         print(note, flush=True)  # the sample order enters a new epoch in this step
     with guard.step(state), hooks.during_step(found, state):
-        metrics = train_step(state, rank_batch(state, source, state.step))
+        batch = rank_batch(state, source, state.step)
+        metrics = train_step(state, batch, data.loss_tokens(recipe, source, state.step))
     seconds = time.perf_counter() - start
     guard.check(metrics)
     for hook in found:
