@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from helpers import PARITY, chat_rows, chat_tokenizer_dir, train_metrics, write_jsonl
 
+from dtensor3d.__main__ import main
 from dtensor3d.config.load import load_recipe
 from dtensor3d.config.lr import lr_at
+from dtensor3d.datasets.chat import find_template
 from dtensor3d.datasets.prepare import PrepareOptions, prepare
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.models.llama import LlamaForCausalLM
@@ -64,10 +66,15 @@ def test_masked_loss_parity_and_plain_pytorch(tmp_path):
     assert counts[0] != counts[1] and min(counts) > 0, counts
     one = train_metrics(tmp_path / "one", 1, [*overrides, f"checkpoint.dir={tmp_path / 'ck'}"])
     four = train_metrics(tmp_path / "four", 4, [*overrides, "parallelism.dp=2", "parallelism.tp=2"])
-    # The checkpoint carries the template beside the tokenizer (generate --chat, export-hf find it).
+    # The checkpoint carries the template (as tokenizer_config.json's chat_template: a step
+    # directory holds JSON and safetensors only); export-hf writes it where transformers reads it.
     step_dir = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()
-    assert (step_dir / "chat_template.jinja").read_bytes() == (out / "chat_template.jinja").read_bytes()
-    assert "chat_template.jinja" in (step_dir / "manifest.json").read_text()
+    template = (out / "chat_template.jinja").read_text()
+    assert find_template(str(step_dir / "tokenizer.json")).source == template
+    assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 0
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == template
     for key in ("loss", "grad_norm", "val_loss"):
         got, ref = ([r[key] for r in run if key in r] for run in (four, one))
         assert len(ref) == 2
