@@ -11,7 +11,8 @@ tokens/s to stderr. Temperature 0 is greedy (argmax). Generation stops at the to
 end-of-document token or after N tokens. With --chat the prompt is one user turn of the
 tokenizer's chat template (chat_template.jinja or tokenizer_config.json beside tokenizer.json)
 followed by the assistant's header (add_generation_prompt), only the reply is printed, and
-generation also stops at any end-of-turn token the vocabulary holds (<|im_end|>, <|eot_id|>, ...).
+generation also stops at any end-of-turn token the vocabulary holds (<|im_end|>, <|eot_id|>, ...)
+or, for a tokenizer that spells the template's end-of-turn text in plain tokens, at that text.
 """
 
 from __future__ import annotations
@@ -41,15 +42,33 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
 
 
-def prompt_ids(tok, tokenizer_path: str, text: str, chat: bool) -> list[int]:
+def prompt_ids(tok, tokenizer_path: str, text: str, chat: bool) -> tuple[list[int], str]:
     """The prompt's ids: the text, or with `chat` its rendering as one user turn with the
-    assistant's header after it (the template's special tokens recognised)."""
-    if chat:
-        from .datasets.chat import Renderer, find_template
+    assistant's header after it (the template's special tokens recognised); and with `chat`
+    the end-of-turn text the template writes after a reply ("" without)."""
+    if not chat:
+        return tok.encode(text, add_special_tokens=False).ids, ""
+    from .datasets.chat import Renderer, find_template
 
-        render = Renderer(find_template(tokenizer_path, what="generate --chat"))
-        text = render([{"role": "user", "content": text}], add_generation_prompt=True)
-    return tok.encode(text, add_special_tokens=False).ids
+    render = Renderer(find_template(tokenizer_path, what="generate --chat"))
+    prompt = render([{"role": "user", "content": text}], add_generation_prompt=True)
+    probe = "\x00reply\x00"  # a reply no template alters: what follows it is the end of the turn
+    turn = render([{"role": "user", "content": text}, {"role": "assistant", "content": probe}])
+    end = turn[turn.index(probe) + len(probe) :].strip() if probe in turn else ""
+    return tok.encode(prompt, add_special_tokens=False).ids, end
+
+
+def visible(text: str, end: str) -> tuple[str, bool]:
+    """The part of a reply to print: the text before the end-of-turn text `end` (then True:
+    the turn is over), holding back a tail that may be the start of `end`."""
+    if not end:
+        return text, False
+    if end in text:
+        return text[: text.index(end)], True
+    for k in range(min(len(end) - 1, len(text)), 0, -1):
+        if end.startswith(text[-k:]):
+            return text[:-k], False
+    return text, False
 
 
 def stop_ids(tok, chat: bool) -> set[int]:
@@ -171,30 +190,26 @@ def run_generate(args) -> None:
     check_args(args)
     tokenizer_path = find_tokenizer(args.ckpt, args.tokenizer)
     tok = Tokenizer.from_file(tokenizer_path)
-    prompt = prompt_ids(tok, tokenizer_path, args.prompt, args.chat)
+    prompt, end = prompt_ids(tok, tokenizer_path, args.prompt, args.chat)
     cfg, files = model_source(args.ckpt, "generate")
     check_fit(args, cfg, tok, len(prompt))
     model = model_from(cfg, files)
     out, shown, start = [], "", time.perf_counter()
     sys.stdout.write("" if args.chat else args.prompt)
-    for token in generate_ids(
-        model,
-        prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.top_p,
-        args.seed,
-        stop_ids(tok, args.chat),
-    ):
+    stops = stop_ids(tok, args.chat)
+    sampling = (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stops)
+    for token in generate_ids(model, prompt, *sampling):
         out.append(token)
-        text = tok.decode(out, skip_special_tokens=True)
+        text, over = visible(tok.decode(out, skip_special_tokens=True), end)
         if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next byte
             sys.stdout.write(text[len(shown) :])
             sys.stdout.flush()
             shown = text
+        if over:  # the template's end-of-turn text, written as plain tokens
+            break
     seconds = time.perf_counter() - start
-    sys.stdout.write(tok.decode(out, skip_special_tokens=True)[len(shown) :] + "\n")
+    text = tok.decode(out, skip_special_tokens=True)
+    sys.stdout.write((text[: text.index(end)] if end and end in text else text)[len(shown) :] + "\n")
     print(
         f"generated {len(out)} tokens in {seconds:.2f} s ({len(out) / max(seconds, 1e-9):.1f} tokens/s)",
         file=sys.stderr,

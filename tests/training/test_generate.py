@@ -13,7 +13,7 @@ from helpers import ROOT
 from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
 from dtensor3d.datasets.tokenizer import byte_tokenizer
-from dtensor3d.generate import generate_ids, pick, prompt_ids, stop_ids
+from dtensor3d.generate import generate_ids, pick, prompt_ids, stop_ids, visible
 from dtensor3d.models.layers import KVCache
 
 transformers = pytest.importorskip("transformers")
@@ -157,7 +157,8 @@ def test_generate_chat_wraps_the_prompt_in_the_template(exported, tmp_path, caps
     messages = [{"role": "user", "content": "def f"}]
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     prompt = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-    assert prompt_ids(tok, str(tmp_path / "tokenizer.json"), "def f", chat=True) == prompt["input_ids"]
+    assert prompt_ids(tok, str(tmp_path / "tokenizer.json"), "def f", chat=True) == (prompt["input_ids"], "<|im_end|>")
+    assert visible("ab<|im", "<|im_end|>") == ("ab", False) and visible("a<|im_end|>\nb", "<|im_end|>") == ("a", True)
     assert stop_ids(tok, chat=True) == (stops := {tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")})
     ours = list(generate_ids(load_model(ckpt), prompt["input_ids"], 16, eos=stops))
     args = ["generate", str(ckpt), "--prompt", "def f", "--chat", "--tokenizer", str(tmp_path)]
