@@ -18,6 +18,11 @@ the same fixed list at every mesh.
 Loss masks (a directory prepare-data --chat wrote): both kinds of windows are `masked` and
 `loss_mask(i)` gives the uint8 mask of sample i's L + 1 tokens (1: the token counts in the
 loss as a target), read from the mask files beside the shards at the same positions.
+
+Documents (data.document_masking): `documents(i)` gives each token of window i its position
+within its document and its document's number within the window (`window_documents`, from
+the split's document offsets). A window that begins inside a document treats that part as a
+document of its own (positions from 0): a token only ever sees tokens of its window.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .tokendir import mask_name, read_meta
+from .tokendir import docs_name, mask_name, read_meta
 
 MASK64 = (1 << 64) - 1
 
@@ -70,11 +75,25 @@ class FeistelPermutation:
         return x
 
 
+def window_documents(offsets: np.ndarray, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, document ids), each int64 [length], of stream tokens [start, start + length):
+    a token's position counts from its document's first token or from `start`, whichever is
+    later (Hugging Face's position_ids of packed sequences); ids number the window's documents
+    from 0. `offsets`: the split's document offsets (tokendir.py), 0 first, the token count last."""
+    index = np.arange(start, start + length, dtype=np.int64)
+    doc = np.searchsorted(offsets, index, side="right") - 1  # the document of each token
+    first = np.maximum(np.asarray(offsets[doc], dtype=np.int64), start)
+    return torch.from_numpy(index - first), torch.from_numpy(doc - doc[0])
+
+
 class TokenStream:
-    """One split of a prepared directory: its shards as one memory-mapped token stream."""
+    """One split of a prepared directory: its shards as one memory-mapped token stream, and
+    its document offsets (memory-mapped when first asked for)."""
 
     def __init__(self, path: str, meta: dict, split: str):
         entry = meta["splits"][split]
+        self.docs_file = os.path.join(path, entry.get("docs", docs_name(split)))
+        self._offsets = None
         dtype = np.dtype(meta["dtype"]).newbyteorder("<")
         self.shards = [_memmap(path, s["file"], dtype, s["tokens"]) for s in entry["shards"]]
         self.masked = "loss_mask" in meta
@@ -96,6 +115,12 @@ class TokenStream:
             out.append(np.array(part, dtype=np.uint8) if masks else np.asarray(part, dtype=np.int64))
             start, length, k = start + len(part), length - len(part), k + 1
         return np.concatenate(out) if len(out) > 1 else out[0]
+
+    def documents(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """window_documents of tokens [start, start + length)."""
+        if self._offsets is None:
+            self._offsets = np.memmap(self.docs_file, dtype="<i8", mode="r")
+        return window_documents(self._offsets, start, length)
 
 
 def _memmap(path: str, name: str, dtype, tokens: int) -> np.ndarray:
@@ -135,6 +160,10 @@ class TrainWindows:
     def loss_mask(self, i: int) -> torch.Tensor:
         return torch.from_numpy(self.stream.read(self.window(i) * self.length, self.length + 1, masks=True))
 
+    def documents(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, document ids) [L + 1] of sample i's tokens (module docstring)."""
+        return self.stream.documents(self.window(i) * self.length, self.length + 1)
+
 
 class ValidationWindows:
     """The fixed validation windows: sample(j) is window j mod count, in stream order."""
@@ -159,3 +188,7 @@ class ValidationWindows:
 
     def loss_mask(self, j: int) -> torch.Tensor:
         return torch.from_numpy(self.stream.read((j % self.count) * self.length, self.length + 1, masks=True))
+
+    def documents(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, document ids) [L + 1] of sample j's tokens (module docstring)."""
+        return self.stream.documents((j % self.count) * self.length, self.length + 1)
