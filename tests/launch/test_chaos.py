@@ -15,7 +15,7 @@ from helpers import ROOT, clean_env
 
 def test_chaos_small_form_survives_every_fault(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "bench/chaos.py", "--steps", "14", "--faults", "4", "--seed", "5", "--work", str(tmp_path)],
+        [sys.executable, "bench/chaos.py", "--steps", "10", "--faults", "4", "--seed", "5", "--work", str(tmp_path)],
         cwd=ROOT,
         env=clean_env(),
         capture_output=True,
