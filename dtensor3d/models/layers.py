@@ -158,4 +158,4 @@ def init_std(name: str) -> float | None:
     """Initial std of a parameter by name; None means ones (norm weights), 0.0 zeros (biases)."""
     if name.endswith("norm.weight"):
         return None
-    return 0.0 if name.endswith(".bias") else 0.02
+    return 0.0 if name.endswith((".bias", "e_score_correction_bias")) else 0.02

@@ -1,4 +1,4 @@
-"""Model families (llama with Llama 3.1 RoPE scaling, qwen2, qwen3, mistral): a tiny random
+"""Model families (llama with Llama 3.1 RoPE scaling, qwen2, qwen3, mistral, qwen3_moe): a tiny random
 transformers model of each, every parameter moved away from its init (biases and norm weights
 too) and rope_theta not 10000, gives our logits (load_model on its directory) to 1e-5
 relative; import-hf -> export-hf loads back into AutoModelForCausalLM with no missing or
@@ -50,6 +50,12 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}, "q_proj.bias"),
     "qwen3": ("Qwen3Config", dict(head_dim=24), "k_norm.weight"),
     "mistral": ("MistralConfig", dict(sliding_window=None), "o_proj.weight"),
+    # layer 0 sparse, layer 1 dense (mlp_only_layers); softmax top-2 of 4 without renormalising
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, mlp_only_layers=[1]),
+        "mlp.experts.gate_up_proj",
+    ),
 }
 
 
