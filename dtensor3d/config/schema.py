@@ -322,6 +322,8 @@ class LoggingConfig:
     tensorboard: bool = knob(False, "TensorBoard events in <run_dir>/tensorboard (the `tensorboard` extra)")
     profile_steps: tuple[int, ...] | None = knob(None, "[first, last]: a torch.profiler trace per rank of those steps")
     layout: bool = knob(False, "<run_dir>/layout/rank<R>.json: how each rank holds every parameter")
+    expert_load_warn: float = knob(4.0, "warn when a MoE layer's max/mean tokens per expert stays above this; 0: never")
+    expert_load_warn_steps: int = knob(20, "...for this many consecutive steps", positive=True)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ MoE layers.
 
 Single-device code. What a parallelism changes comes in through `ModelHooks`
 (models/layers.py): expert parallelism's `expert_dispatch` (the route of the sorted tokens
-to the experts) and context parallelism's `sequence.sum_over_sequence` (the routing
-statistics of a sequence spread over several ranks).
+to the experts), tensor parallelism's `tokens` (each tp rank routes a disjoint share) and
+context parallelism's `sequence.sum_over_sequence` (the routing statistics of a sequence
+spread over several ranks).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])  # [T, h]
+        x = self.hooks.tokens.split(x.reshape(-1, shape[-1]))  # [T, h]: this rank's share of the tokens
         probs, weights, chosen = self.gate(x)  # [T, E], [T, k], [T, k]
         weights = weights.to(x.dtype)
         flat = chosen.reshape(-1)  # [T * k]
@@ -174,15 +175,17 @@ class MoE(nn.Module):
         aux = self._balance_loss(probs, counts)
         if torch.is_grad_enabled() and self.hooks.aux_loss_scale:
             out = AddAuxLoss.apply(out, aux, self.hooks.aux_loss_scale)
-        return out.reshape(shape)
+        return self.hooks.tokens.gather(out, shape[:-1].numel()).reshape(shape)
 
     def _balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Switch-style loss over the microbatch's whole token set, as Hugging Face Mixtral
         computes it: E * sum_e f_e * P_e, f_e = routed slots of expert e per token, P_e the
         mean router probability of e. Returns the part this rank backpropagates."""
         sums = torch.cat([counts.to(probs.dtype), probs.new_tensor([probs.shape[0]]), probs.sum(0)])
-        # Context parallelism: the sequence's tokens are spread over ranks; sum their statistics.
+        # Context and tensor parallelism: the microbatch's tokens are spread over ranks; sum their statistics.
         sums, share = self.hooks.sequence.sum_over_sequence(sums)
+        sums, tp_share = self.hooks.tokens.sum_over_shares(sums)
+        share *= tp_share
         e = self.num_experts
         slots, tokens, prob_sum = sums[:e].detach(), sums[e].detach(), sums[e + 1 :]
         aux = e * ((slots / tokens) * (prob_sum / tokens)).sum()

@@ -70,7 +70,9 @@ def selective_layer_bytes(recipe, moe: bool) -> int:
     if not moe:
         return residual + attention + z.tokens * (2 * z.inter + z.hidden) * z.compute
     routed = z.tokens * m.num_experts_per_tok
-    experts = z.tokens * m.num_local_experts * z.compute + routed * (2 * m.expert_intermediate_size + z.hidden) * z.compute
+    experts = (
+        z.tokens * m.num_local_experts * z.compute + routed * (2 * m.expert_intermediate_size + z.hidden) * z.compute
+    )
     shared = z.tokens * (2 * m.shared_intermediate_size + z.hidden) * z.compute
     return residual + attention + experts + (shared if m.shared_intermediate_size else 0)
 

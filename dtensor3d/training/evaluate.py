@@ -15,8 +15,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..parallel import context, data, expert, pipeline, tensor
+from ..parallel import context, data, pipeline, tensor
 from ..parallel.shards import local
+from . import balance
 
 
 def eval_due(recipe, step: int) -> bool:
@@ -49,6 +50,6 @@ def validation_loss(state, source, compute_context) -> dict:
     reports = state.is_last_stage and state.coords["tp"] == 0
     total = total * reports
     dist.all_reduce(total)
-    expert.step_stats(state.model, recipe, state.coords, state.device)  # drop the routing records of eval
+    balance.step_stats(state.model, recipe, state.coords, state.device)  # drop the routing records of eval
     loss = total.item() / recipe.training.eval_batches
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
