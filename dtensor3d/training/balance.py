@@ -35,11 +35,11 @@ def step_stats(model: nn.Module, recipe, coords: dict[str, int], device: torch.d
     """Step time: [aux loss term, tokens per expert of each MoE layer (layers x experts)...]
     of this rank's MoE layers this step (the last n-microbatches forwards of each), counted
     once over the ranks that share them (aux: tp and cp rank 0; loads: every rank, as each
-    routes its own tokens, tp ranks included), to be summed over the world. Empty when the
+    routes its own tokens, tp ranks included), to be summed over the world. [0] when the
     model has no experts."""
     m = recipe.model
     if not m.num_local_experts:
-        return torch.zeros(0, device=device)
+        return torch.zeros(1, device=device)
     rows = {layer: r for r, layer in enumerate(moe_layer_ids(m))}
     n_micro, scale = recipe.num_microbatches, aux_loss_scale(recipe)
     aux, loads = torch.zeros(1, device=device), torch.zeros(len(rows), m.num_local_experts, device=device)
