@@ -89,6 +89,19 @@ def test_expert_parallel_dispatch_matches_local():
         assert c["experts_used"] == (2 if c["forced"] else 8), c
 
 
+def test_tp_ranks_route_half_the_tokens_each():
+    """tp 2, both modes: each tp rank sends half the microbatch's token slots to its experts
+    (24 tokens x top-2 = 48 on one device, 24 on each rank), and outputs, input gradients,
+    parameter gradients (after the tp sum) and the aux loss equal the one-device layer's."""
+    out = torchrun(2, ["tests/dist_scripts/tp_token_share.py"]).stdout
+    cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [c["mode"] for c in cases] == ["ALL_REDUCE", "REDUCE_SCATTER"]
+    for c in cases:
+        assert c["slots_one_device"] == 2 * 12 * 2, c
+        assert c["slots_per_rank"] == [c["slots_one_device"] // 2] * 2, c
+        assert max(c["out"], c["dx"], c["params"], c["aux"]) < 1e-5, c
+
+
 def test_plan_lists_nanotrons_ep_groups():
     """ep is the outermost axis: rank = ((((e * pp + p) * dp + d) * cp + c) * tp + t)."""
     import itertools
