@@ -127,18 +127,18 @@ def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
     dp_replicate replicas. Replicate: one all-reduce of the gradients (dense over
     ep x dp x cp, experts over dp x cp)."""
     p = recipe.parallelism
-    numels = unit_numels(recipe, units)
+    numels, grads = unit_numels(recipe, units), unit_numels(recipe, units, grads=True)
     if p.fsdp_enabled:
         gathers = 1 if p.pp_enabled else 2 * recipe.num_microbatches
-        sharded = [numels[name] for name, u in units.items() if u["group"] > 1]
+        sharded = [name for name, u in units.items() if u["group"] > 1]
         replicas = p.dp_replicate if p.hsdp_enabled else 1  # HSDP all-reduces the shards across replicas
         return _kinds(
-            all_gather=gathers * FP32 * sum(held for held, _ in sharded),
-            reduce_scatter=FP32 * sum(whole for _, whole in sharded),
-            all_reduce=FP32 * sum(held for held, _ in sharded) * (replicas > 1),
+            all_gather=gathers * FP32 * sum(numels[name][0] for name in sharded),
+            reduce_scatter=FP32 * sum(grads[name][1] for name in sharded),
+            all_reduce=FP32 * sum(grads[name][0] for name in sharded) * (replicas > 1),
         )
     if p.replicate_enabled:
-        return _kinds(all_reduce=FP32 * sum(numels[name][0] for name, u in units.items() if u["group"] > 1))
+        return _kinds(all_reduce=FP32 * sum(grads[name][0] for name, u in units.items() if u["group"] > 1))
     return _kinds()
 
 
