@@ -74,29 +74,25 @@ def _family_fields(cfg, name: str) -> dict:
 
 
 # What each exported MoE family's transformers class cannot hold: (setting, value it must have).
+_NO_DEEPSEEK = {
+    "shared_expert_intermediate_size": 0,
+    "n_shared_experts": 0,
+    "moe_layers": None,
+    "scoring_func": "softmax",
+    "n_group": 1,
+    "routed_scaling_factor": 1.0,
+    "router_bias_update_rate": 0.0,  # balancing gives the router a correction bias
+    "first_k_dense_replace": 0,
+}
 _MOE_FIXED = {
     "mixtral": {
-        "shared_intermediate_size": 0,
-        "moe_layers": None,
-        "scoring_func": "softmax",
-        "n_group": 1,
-        "routed_scaling_factor": 1.0,
-        "correction_bias": False,
+        **_NO_DEEPSEEK,
         "norm_topk_prob": True,
-        "first_k_dense_replace": 0,
         "decoder_sparse_step": 1,
         "mlp_only_layers": None,
         "moe_intermediate_size": 0,
     },
-    "qwen3_moe": {
-        "shared_intermediate_size": 0,
-        "moe_layers": None,
-        "scoring_func": "softmax",
-        "n_group": 1,
-        "routed_scaling_factor": 1.0,
-        "correction_bias": False,
-        "first_k_dense_replace": 0,
-    },
+    "qwen3_moe": _NO_DEEPSEEK,
 }
 
 

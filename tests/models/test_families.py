@@ -144,3 +144,21 @@ def test_rope_read_in_both_spellings():
     assert ours == config_from_hf(v4, "v4")
     assert ours.rope_theta == 123456.0 and ours.rope_scaling == LLAMA3_ROPE
     assert hf_config(ours)["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 123456.0}
+
+
+def test_qwen3_moe_switches_its_class_lacks_are_refused_on_export():
+    """A Qwen3-MoE trained with aux-loss-free balancing holds a correction bias (and one with
+    groups a group limit) that Qwen3MoeForCausalLM cannot: export-hf says so in one line;
+    without them its config.json round-trips (num_experts, mlp_only_layers, norm_topk_prob)."""
+    from dtensor3d.checkpoint.hf import config_from_hf, hf_config
+    from dtensor3d.config.schema import ModelConfig
+    from dtensor3d.errors import CheckpointError
+
+    base = dict(family="qwen3_moe", num_local_experts=8, moe_intermediate_size=32, norm_topk_prob=False)
+    cfg = ModelConfig(**base, mlp_only_layers=(1,), decoder_sparse_step=1)
+    hf = hf_config(cfg)
+    assert (hf["num_experts"], hf["mlp_only_layers"], hf["norm_topk_prob"]) == (8, [1], False)
+    assert config_from_hf(hf, "config.json") == cfg
+    for extra, key in (({"router_bias_update_rate": 0.01}, "router_bias_update_rate"), ({"n_group": 2}, "n_group")):
+        with pytest.raises(CheckpointError, match=f"model.{key}=.*Qwen3MoeForCausalLM has no such setting"):
+            hf_config(ModelConfig(**base, **extra))
