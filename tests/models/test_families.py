@@ -159,6 +159,19 @@ def test_qwen3_moe_switches_its_class_lacks_are_refused_on_export():
     hf = hf_config(cfg)
     assert (hf["num_experts"], hf["mlp_only_layers"], hf["norm_topk_prob"]) == (8, [1], False)
     assert config_from_hf(hf, "config.json") == cfg
+    from dtensor3d.checkpoint.hf_names import HFNames
+
+    names = HFNames("qwen3_moe")  # the MoE block is `mlp` there (DeepSeek-V3's too), shared experts plural
+    assert names.plain("model.layers.3.block_sparse_moe.gate.e_score_correction_bias") == (
+        "model.layers.3.mlp.gate.e_score_correction_bias"
+    )
+    assert names.plain("model.layers.3.block_sparse_moe.shared_expert.up_proj.weight") == (
+        "model.layers.3.mlp.shared_experts.up_proj.weight"
+    )
+    assert names.experts("model.layers.3.block_sparse_moe.experts.w2", 2) == [
+        "model.layers.3.mlp.experts.0.down_proj.weight",
+        "model.layers.3.mlp.experts.1.down_proj.weight",
+    ]
     for extra, key in (({"router_bias_update_rate": 0.01}, "router_bias_update_rate"), ({"n_group": 2}, "n_group")):
         with pytest.raises(CheckpointError, match=f"model.{key}=.*Qwen3MoeForCausalLM has no such setting"):
             hf_config(ModelConfig(**base, **extra))
