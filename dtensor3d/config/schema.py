@@ -391,19 +391,9 @@ POSITIVE = {
     for section, cls in _SECTION_CLASSES.items()
 }
 
-EXPERT_ONLY = (
-    "num_experts_per_tok",
-    "router_aux_loss_coef",
-    "shared_expert_intermediate_size",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "scoring_func",
-    "n_group",
-    "topk_group",
-    "routed_scaling_factor",
-    "n_shared_experts",
-    "first_k_dense_replace",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "router_bias_update_rate",
+# The model settings that only a model with experts may give (a dense recipe is refused them).
+EXPERT_ONLY = tuple(
+    "num_experts_per_tok router_aux_loss_coef shared_expert_intermediate_size moe_intermediate_size "
+    "norm_topk_prob scoring_func n_group topk_group routed_scaling_factor n_shared_experts "
+    "first_k_dense_replace decoder_sparse_step mlp_only_layers router_bias_update_rate".split()
 )
