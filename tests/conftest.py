@@ -60,6 +60,7 @@ QUICK_FILES = {
     "test_plan_accuracy.py",
     "test_plan_simulate.py",
     "test_prepare.py",
+    "test_chat.py",
     "test_recipe_errors.py",
     "test_metrics.py",
     "test_generate.py",

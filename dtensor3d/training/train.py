@@ -73,7 +73,9 @@ def resolve_device(choice: str) -> str:
 
 def make_loss_fn(global_tokens: int) -> LossFn:
     """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
-    and gradients that only need summing across ranks and microbatches."""
+    and gradients that only need summing across ranks and microbatches. A target a loss mask
+    excludes is data.IGNORE, cross_entropy's default ignore_index: it adds nothing (the step
+    then renormalises by the count of the others, `renormalise`)."""
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
@@ -144,12 +146,13 @@ def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor
     return total
 
 
-def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
+def train_step(state: TrainState, batch: tuple, loss_tokens: int | None = None) -> dict:
     """One optimizer step over one global batch; returns loss, grad_norm and lr (and the MoE
-    statistics for a model with experts)."""
+    statistics for a model with experts). `loss_tokens`: the global count of the targets that
+    count, where a loss mask excludes some (data.loss_tokens; None: every target counts)."""
     recipe = state.recipe
     state.optimizer.zero_grad(set_to_none=True)
-    loss_sum = forward_backward(state, *batch)
+    loss_sum = renormalise(state, forward_backward(state, *batch), loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
     expert.sum_tp_grads(state.model, recipe.parallelism, state.mesh)
@@ -191,6 +194,21 @@ def _moe_metrics(state: TrainState, metrics: dict, stats: torch.Tensor) -> None:
         print(line, flush=True)
 
 
+def renormalise(state: TrainState, loss_sum: torch.Tensor, loss_tokens: int | None) -> torch.Tensor:
+    """A loss mask (data prepared with --chat): the microbatch losses were divided by every
+    target of the global batch, the masked ones adding nothing (data.IGNORE); multiply the
+    loss and the gradients by (all targets / counted targets), so both are normalised by the
+    global count of counted targets (the same number at every mesh). Without a mask (or with
+    every target counted) nothing is touched."""
+    t = state.recipe.training
+    full = t.global_batch_size * t.sequence_length
+    if loss_tokens is None or loss_tokens == full:
+        return loss_sum
+    scale = full / max(loss_tokens, 1)  # a batch with nothing to learn: loss 0, no gradient
+    torch._foreach_mul_([local(q.grad) for q in state.params if q.grad is not None], scale)
+    return loss_sum * scale
+
+
 def rank_batch(state: TrainState, source, step: int) -> tuple:
     """This rank's (inputs, targets) of global batch `step`: its samples (dp, ep) and its
     tokens of each (cp), on its device; with data.document_masking, then the dict of its
@@ -215,7 +233,8 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
     if is_rank0() and (note := epoch_note(source, recipe, state.step)):
         print(note, flush=True)  # the sample order enters a new epoch in this step
     with guard.step(state), hooks.during_step(found, state):
-        metrics = train_step(state, rank_batch(state, source, state.step))
+        batch = rank_batch(state, source, state.step)
+        metrics = train_step(state, batch, data.loss_tokens(recipe, source, state.step))
     seconds = time.perf_counter() - start
     guard.check(metrics)
     for hook in found:
