@@ -18,6 +18,8 @@ class Family:
     biases: tuple[str, ...] = ()  # which of attention_bias / mlp_bias the family's config class has
     window_switch: bool = False  # sliding_window counts only with use_sliding_window: true (Qwen)
     mla: bool = False  # multi-head latent attention (DeepSeek-V3: models/mla.py) instead of q/k/v heads
+    hf_moe: str = "block_sparse_moe"  # the MoE block's name there: Mixtral's, or `mlp` (Qwen3-MoE, DeepSeek-V3)
+    correction_bias: bool = False  # the router always has e_score_correction_bias (DeepSeek-V3)
 
 
 FAMILIES = {
@@ -26,7 +28,24 @@ FAMILIES = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, biases=("attention_bias",), window_switch=True),
     "mistral": Family("mistral", "MistralForCausalLM"),
     "mixtral": Family("mixtral", "MixtralForCausalLM", experts=True),
-    "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", biases=("attention_bias",), mla=True),
+    "deepseek_v3": Family(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        experts=True,
+        biases=("attention_bias",),
+        mla=True,
+        hf_moe="mlp",
+        correction_bias=True,
+    ),
+    "qwen3_moe": Family(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        qk_norm=True,
+        experts=True,
+        biases=("attention_bias",),
+        window_switch=True,
+        hf_moe="mlp",
+    ),
 }
 BY_MODEL_TYPE = {f.model_type: name for name, f in FAMILIES.items()}
 

@@ -34,6 +34,41 @@ MLA_DEFAULTS = {
     "v_head_dim": 128,
     "rope_interleave": True,
 }
+# ...and a Qwen3-MoE config.json's (Qwen3MoeConfig's defaults; it spells the expert count num_experts).
+QWEN3_MOE_DEFAULTS = {
+    "num_experts_per_tok": 8,
+    "router_aux_loss_coef": 0.001,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768,
+}
+QWEN3_MOE_KEYS = tuple(QWEN3_MOE_DEFAULTS)
+# ...and DeepSeek-V3's router keys (DeepseekV3Config's defaults; its expert count is n_routed_experts).
+DEEPSEEK_MOE_DEFAULTS = {
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+DEEPSEEK_MOE_KEYS = tuple(DEEPSEEK_MOE_DEFAULTS)
+
+
+def _moe_values(hf: dict, kind: str) -> dict:
+    """The mixture-of-experts fields of a Mixtral, Qwen3-MoE or DeepSeek-V3 config.json."""
+    if kind == "mixtral":
+        return {key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()}
+    if kind == "deepseek_v3":  # sigmoid scores with the correction bias; no aux loss in transformers
+        values = {key: hf.get(key, default) for key, default in DEEPSEEK_MOE_DEFAULTS.items()}
+        values.update(num_local_experts=hf.get("n_routed_experts", 256), scoring_func="sigmoid")
+        values.update(moe_intermediate_size=hf.get("moe_intermediate_size", 2048), router_aux_loss_coef=0.0)
+        values["first_k_dense_replace"] = hf.get("first_k_dense_replace", 3)
+        return values | {"n_group": values["n_group"] or 1, "topk_group": values["topk_group"] or 1}
+    values = {key: hf.get(key, default) for key, default in QWEN3_MOE_DEFAULTS.items()}
+    values["num_local_experts"] = hf.get("num_experts", hf.get("num_local_experts", 128))
+    values["mlp_only_layers"] = list(hf.get("mlp_only_layers") or ()) or None
+    return values
 
 
 def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
@@ -44,7 +79,7 @@ def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
 
     if kind not in BY_MODEL_TYPE:
         raise refuse("model_type", f"supported model_type: {', '.join(BY_MODEL_TYPE)}")
-    if kind == "mixtral" and hf.get("router_jitter_noise", 0.0):
+    if kind in ("mixtral", "qwen3_moe") and hf.get("router_jitter_noise", 0.0):
         raise refuse("router_jitter_noise", "router noise is not supported; use 0.0")
     if hf.get("hidden_act", "silu") not in ACTIVATIONS:
         raise refuse("hidden_act", f"supported: {', '.join(ACTIVATIONS)} (SwiGLU)")
@@ -53,13 +88,6 @@ def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
             raise refuse(key, f"not supported for model_type {kind!r}")
     if hf.get("attention_dropout", 0.0):
         raise refuse("attention_dropout", "dropout is not supported; use 0.0")
-    layers = hf.get("num_hidden_layers", HF_DEFAULTS["num_hidden_layers"])
-    if kind == "deepseek_v3" and hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 3) < layers:
-        raise refuse(
-            "first_k_dense_replace",
-            f"DeepSeek-V3's sigmoid-routed expert layers are not supported yet; only a model whose "
-            f"first_k_dense_replace covers all num_hidden_layers={layers} (every layer dense) loads",
-        )
 
 
 def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
@@ -88,7 +116,7 @@ def hf_model_values(hf: dict, where: str) -> dict:
     family = FAMILIES[BY_MODEL_TYPE[kind]]
     values = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items()}
     if family.experts:
-        values.update({key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()})
+        values.update(_moe_values(hf, kind))
     values["num_key_value_heads"] = hf.get("num_key_value_heads") or values["num_attention_heads"]
     head_dim = hf.get("head_dim")
     if family.mla:  # every head has its own key and value; transformers' head_dim is the RoPE width.

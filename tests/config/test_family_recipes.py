@@ -19,8 +19,15 @@ RECIPES = {
     "llama3_1_70b_plan": 70_553_706_496,
     "qwen3_0_6b_plan": 596_049_920,
     "qwen3_8b_plan": 8_190_735_360,
+    # from its config.json: 48 x (attention 18,878,720 + router 262,144 + 128 experts 603,979,776)
+    # + embedding and head 622,329,856 + final norm 2,048 (the model card's 30.5B)
+    "qwen3_30b_a3b_plan": 30_532_122_624,
     "smollm2_135m_plan": 134_515_008,
     "smollm2_1_7b_plan": 1_711_376_384,
+    # DeepSeek-V3 without its multi-token prediction module (as transformers loads it): the
+    # paper's 671B. The Hugging Face checkpoint's 684.5B adds that module (13,463,426,304
+    # counted the same way: one MoE layer, eh_proj, its norms, embedding and head) and FP8 scales.
+    "deepseek_v3_671b_plan": 671_026_419_200,
 }
 
 

@@ -1,4 +1,4 @@
-"""Model families (llama with Llama 3.1 RoPE scaling, qwen2, qwen3, mistral): a tiny random
+"""Model families (llama with Llama 3.1 RoPE scaling, qwen2, qwen3, mistral, qwen3_moe): a tiny random
 transformers model of each, every parameter moved away from its init (biases and norm weights
 too) and rope_theta not 10000, gives our logits (load_model on its directory) to 1e-5
 relative; import-hf -> export-hf loads back into AutoModelForCausalLM with no missing or
@@ -61,11 +61,19 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(head_dim=24), "k_norm.weight"),
     "mistral": ("MistralConfig", dict(sliding_window=None), "o_proj.weight"),
     # multi-head latent attention: low-rank q, interleaved RoPE part, YaRN with both mscales
-    # (softmax scale too), v_head_dim != qk width; every layer dense (first_k_dense_replace)
+    # (softmax scale too), v_head_dim != qk width; layer 0 dense, layer 1 experts: sigmoid
+    # scores + the correction bias, top-3 of 8 in 2 of 4 groups, scaling 2.5, 2 shared experts
     "deepseek_v3": (
         "DeepseekV3Config",
         dict(
-            **MLA,
+            **{**MLA, "first_k_dense_replace": 1},
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
             q_lora_rank=24,
             rope_parameters=dict(
                 rope_type="yarn",
@@ -76,7 +84,13 @@ FAMILIES = {
                 rope_theta=123456.0,
             ),
         ),
-        "q_a_layernorm.weight",
+        "mlp.shared_experts.gate_proj.weight",
+    ),
+    # layer 0 sparse, layer 1 dense (mlp_only_layers); softmax top-2 of 4 without renormalising
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, mlp_only_layers=[1]),
+        "mlp.experts.gate_up_proj",
     ),
 }
 
@@ -98,6 +112,9 @@ def family(request, tmp_path_factory):
     with torch.no_grad():
         for p in hf.parameters():  # biases off zero, norms off one: each tensor distinct
             p.add_(torch.randn_like(p) * 0.1)
+        for name, b in hf.named_buffers():  # DeepSeek-V3's routing correction bias (saved state)
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.3)
     hf.save_pretrained(root / "hf")
     assert main(["import-hf", str(root / "hf"), str(root / "ck")]) == 0
     assert main(["export-hf", str(root / "ck"), str(root / "export")]) == 0
@@ -243,3 +260,34 @@ def test_deepseek_v3_prediction_layers_ignored_as_transformers_does(tmp_path):
         ref = back(ids).logits
         assert relative(load_model(tmp_path / "hf")(ids), ref) <= 1e-5
         assert relative(load_model(tmp_path / "ck")(ids), ref) <= 1e-5
+
+
+def test_qwen3_moe_switches_its_class_lacks_are_refused_on_export():
+    """A Qwen3-MoE trained with aux-loss-free balancing holds a correction bias (and one with
+    groups a group limit) that Qwen3MoeForCausalLM cannot: export-hf says so in one line;
+    without them its config.json round-trips (num_experts, mlp_only_layers, norm_topk_prob)."""
+    from dtensor3d.checkpoint.hf import config_from_hf, hf_config
+    from dtensor3d.config.schema import ModelConfig
+    from dtensor3d.errors import CheckpointError
+
+    base = dict(family="qwen3_moe", num_local_experts=8, moe_intermediate_size=32, norm_topk_prob=False)
+    cfg = ModelConfig(**base, mlp_only_layers=(1,), decoder_sparse_step=1)
+    hf = hf_config(cfg)
+    assert (hf["num_experts"], hf["mlp_only_layers"], hf["norm_topk_prob"]) == (8, [1], False)
+    assert config_from_hf(hf, "config.json") == cfg
+    from dtensor3d.checkpoint.hf_names import HFNames
+
+    names = HFNames("qwen3_moe")  # the MoE block is `mlp` there (DeepSeek-V3's too), shared experts plural
+    assert names.plain("model.layers.3.block_sparse_moe.gate.e_score_correction_bias") == (
+        "model.layers.3.mlp.gate.e_score_correction_bias"
+    )
+    assert names.plain("model.layers.3.block_sparse_moe.shared_expert.up_proj.weight") == (
+        "model.layers.3.mlp.shared_experts.up_proj.weight"
+    )
+    assert names.experts("model.layers.3.block_sparse_moe.experts.w2", 2) == [
+        "model.layers.3.mlp.experts.0.down_proj.weight",
+        "model.layers.3.mlp.experts.1.down_proj.weight",
+    ]
+    for extra, key in (({"router_bias_update_rate": 0.01}, "router_bias_update_rate"), ({"n_group": 2}, "n_group")):
+        with pytest.raises(CheckpointError, match=f"model.{key}=.*Qwen3MoeForCausalLM has no such setting"):
+            hf_config(ModelConfig(**base, **extra))

@@ -81,7 +81,7 @@ def test_mla_compile_and_recompute_equal_eager():
     from dtensor3d.parallel.compile import apply_compile
     from dtensor3d.parallel.shards import init_weights
 
-    cfg = dataclasses.replace(load_recipe(DEEPSEEK).model, num_hidden_layers=2, moe_layers=(1,))
+    cfg = dataclasses.replace(load_recipe(DEEPSEEK).model, num_hidden_layers=2, first_k_dense_replace=1)
     ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
 
     def run(recompute: str, compiled: bool) -> tuple[float, dict]:

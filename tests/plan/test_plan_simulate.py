@@ -79,6 +79,17 @@ def model_configs():
         "deepseek_v3_full_q_bias": dataclasses.replace(
             load_recipe(DEEPSEEK).model, q_lora_rank=None, attention_bias=True
         ),
+        # Qwen3-MoE's pattern with DeepSeek's pieces: first layer dense, layer 2 dense, moe
+        # width 40, two shared experts, the correction bias of balancing
+        "qwen3_moe_shared_dense_balanced": dataclasses.replace(
+            moe,
+            family="qwen3_moe",
+            moe_intermediate_size=40,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            mlp_only_layers=(2,),
+            router_bias_update_rate=0.01,
+        ),
     }
 
 
