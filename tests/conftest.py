@@ -72,6 +72,7 @@ QUICK_FILES = {
     "test_nanotron.py",
     "test_families.py",
     "test_family_recipes.py",
+    "test_async_tp.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {
@@ -90,6 +91,7 @@ SLOW_IN_QUICK_FILES = {
     "test_init_from_hf_gathers_nothing",
     "test_trains_like_the_native_recipe_at_world_1",
     "test_trains_like_the_native_recipe_on_tp2",
+    "test_async_tp_matches_the_key_off_and_overlaps",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 

@@ -47,7 +47,7 @@ def _chunks(rows: int) -> int:
 def _gather(x: torch.Tensor, group: str, chunks: int) -> list[torch.Tensor]:
     """Issue the all-gather of x's sequence shard [b, sl, h] in `chunks` pieces; each comes
     back as [tp, b, sl / chunks, h] once waited for."""
-    return [funcol.all_gather_tensor(c.contiguous(), 0, group) for c in x.chunk(chunks, dim=1)]
+    return [funcol.all_gather_single(c.contiguous(), 0, group) for c in x.chunk(chunks, dim=1)]
 
 
 def _arrived(piece: torch.Tensor, tp: int) -> torch.Tensor:
@@ -57,7 +57,7 @@ def _arrived(piece: torch.Tensor, tp: int) -> torch.Tensor:
 
 def _reduce_scatter(part: torch.Tensor, group: str) -> torch.Tensor:
     """Issue the reduce-scatter of part [b, tp, sc, h] over tp: rank r gets sum [b, sc, h] of [:, r]."""
-    return funcol.reduce_scatter_tensor(part.transpose(0, 1).contiguous(), "sum", 0, group)
+    return funcol.reduce_scatter_single(part.transpose(0, 1).contiguous(), "sum", 0, group)
 
 
 def _scattered(pieces: list[torch.Tensor]) -> torch.Tensor:
