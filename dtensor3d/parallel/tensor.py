@@ -81,11 +81,15 @@ def tp_plan(sequence_parallel: bool, moe: bool = False, overlapped: bool = False
             )
         else:
             layer["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    if overlapped:
-        taken = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
-        taken |= {"o_proj", "down_proj", "self_attn", "mlp"} if sequence_parallel else set()
-        layer = {path: style for path, style in layer.items() if path.split(".")[-1] not in taken}
-    return outer, layer
+    return outer, _without_overlapped(layer, sequence_parallel) if overlapped else layer
+
+
+def _without_overlapped(layer: dict, sequence_parallel: bool) -> dict:
+    """The layer plan less what parallel/async_tp.py shards itself: the column projections,
+    and under sequence parallelism the row ones and their parents' input gathers."""
+    taken = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    taken |= {"o_proj", "down_proj", "self_attn", "mlp"} if sequence_parallel else set()
+    return {path: style for path, style in layer.items() if path.split(".")[-1] not in taken}
 
 
 def tp_overlap(parallelism, device_type: str, compiled: bool) -> str | None:
