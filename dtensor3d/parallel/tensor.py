@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -34,10 +33,10 @@ from .async_tp import apply_async_tp
 
 def tp_plan(sequence_parallel: bool, moe: bool = False, overlapped: bool = False) -> tuple[dict, dict]:
     """(plan for the model's outer modules, plan for a decoder layer). A mixture-of-experts
-    layer's feed-forward is replicated over tp (see parallel/expert.py): it takes the whole
-    sequence and, under sequence parallelism, hands back this rank's part. `overlapped`
-    (tp_linear_async_communication's chunked path): the projections parallel/async_tp.py
-    shards itself, and their input gathers, are left out."""
+    layer's feed-forward is replicated over tp and each tp rank routes a disjoint share of
+    the tokens (parallel/expert.py): under sequence parallelism its sequence shard, as a
+    local tensor. `overlapped` (tp_linear_async_communication's chunked path): the
+    projections parallel/async_tp.py shards itself, and their input gathers, are left out."""
     seq = Shard(1) if sequence_parallel else Replicate()
     outer = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -70,14 +69,9 @@ def tp_plan(sequence_parallel: bool, moe: bool = False, overlapped: bool = False
                 "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
         )
-        if moe:
-            layer["block_sparse_moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-                use_local_input=True,
-                output_layouts=(Replicate(),),
-                desired_output_layouts=(Shard(1),),
-                use_local_output=True,
+        if moe:  # each tp rank routes its own sequence shard: no gather (parallel/expert.py)
+            layer["block_sparse_moe"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
             )
         else:
             layer["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
