@@ -5,7 +5,7 @@ against what parallel/comm.py counts on real runs. Pure Python."""
 from __future__ import annotations
 
 from .memory import _moe_layers
-from .params import FP32, KINDS, Part, rank_parts, sizes, stage_units, unit_numels
+from .params import FP32, KINDS, Part, param_table, rank_parts, shard_numel, sizes, stage_units, unit_numels
 from .schedule_model import sends_per_microbatch
 
 # -- communication -----------------------------------------------------------------------
@@ -52,6 +52,10 @@ def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
     z = sizes(recipe)
     last = "reduce_scatter" if recipe.parallelism.sequence_parallel else "all_reduce"
     return {**fwd, last: fwd[last] - z.tokens * z.hidden * z.compute}
+
+
+def _sum(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return _kinds(**{k: a.get(k, 0) + b.get(k, 0) for k in KINDS})
 
 
 def _add(total: dict, part: dict, times: int = 1) -> None:
@@ -160,6 +164,19 @@ def ep_bytes(recipe, layers: list[int]) -> dict[str, int]:
     return _kinds(all_to_all=(forwards * fwd + bwd) * _moe_layers(recipe, layers) * recipe.num_microbatches)
 
 
+def tied_bytes(recipe, part: Part, units: dict[str, dict]) -> dict[str, int]:
+    """Per step: a tied model split into pipeline stages sums the gradient of its two copies
+    of the embedding (parallel/tied.py): one all-reduce of this rank's piece over the
+    embedding group, on the first- and the last-stage rank when they differ (none under a V
+    schedule, where one rank holds both)."""
+    p, m = recipe.parallelism, recipe.model
+    if not (m.tie_word_embeddings and p.pp_enabled) or part.first == part.last:
+        return _kinds()
+    shape = param_table(recipe)["model.embed_tokens.weight"]["shape"]
+    group = units["root"]["group"] if p.fsdp_enabled else 1
+    return _kinds(all_reduce=FP32 * shard_numel(shape, group))
+
+
 def world_bytes(recipe) -> dict[str, int]:
     """The step's one world all-reduce: loss, squared grad norm, aux loss, tokens per expert."""
     return _kinds(all_reduce=(3 + recipe.model.num_local_experts) * FP32)
@@ -177,7 +194,7 @@ def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, i
             {
                 "tp": tp_bytes(recipe, part),
                 "dp": dp_bytes(recipe, units),
-                "pp": pp_bytes(recipe, part),
+                "pp": _sum(pp_bytes(recipe, part), tied_bytes(recipe, part, units)),
                 "cp": cp_bytes(recipe, part.layers, backend),
                 "ep": ep_bytes(recipe, part.layers),
                 "world": world_bytes(recipe),

@@ -94,6 +94,9 @@ def param_table(recipe) -> dict[str, dict]:
         group = shard if unit.endswith("experts") else p.ep * shard
         row = {"stage": stage_rank(p, stage), "pp_stage": stage, "unit": unit, "group": group}
         out[name] = row | {"shape": _local_shape(recipe, name, shape)}
+    if m.tie_word_embeddings and p.pp_enabled:  # the last stage's copy of the tied matrix (parallel/tied.py)
+        head = out["model.embed_tokens.weight"] | {"stage": stage_rank(p, len(layers) - 1), "pp_stage": len(layers) - 1}
+        out["lm_head.weight"] = head
     return out
 
 
