@@ -601,8 +601,8 @@ def test_expected_shapes_match_transformers():
 
 
 def test_import_hf_carries_the_tokenizer_and_generate_needs_no_flag(hf_model, tmp_path, capsys):
-    """import-hf copies tokenizer.json / tokenizer_config.json into the step directory (in its
-    manifest); generate then runs without --tokenizer."""
+    """import-hf copies tokenizer.json / tokenizer_config.json (the chat template folded in)
+    into the step directory (in its manifest); generate then runs without --tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from dtensor3d.checkpoint.format import read_manifest
@@ -614,10 +614,15 @@ def test_import_hf_carries_the_tokenizer_and_generate_needs_no_flag(hf_model, tm
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(hf / "tokenizer.json"))
     (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (hf / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert main(["import-hf", str(hf), str(tmp_path / "ck")]) == 0
     step = tmp_path / "ck" / "step_00000000"
+    assert (step / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    # transformers 5's chat_template.jinja joins tokenizer_config.json: a step holds safetensors and JSON only
+    settings = json.loads((step / "tokenizer_config.json").read_text())
+    assert settings == {"eos_token": "<|endoftext|>", "chat_template": (hf / "chat_template.jinja").read_text()}
+    assert not (step / "chat_template.jinja").exists()
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (step / name).read_bytes() == (hf / name).read_bytes()
         assert name in read_manifest(str(step))["files"]
     capsys.readouterr()
     argv = ["generate", str(tmp_path / "ck"), "--prompt", "w1 w2", "--max-new-tokens", "3", "--temperature", "0"]
