@@ -43,7 +43,11 @@ CONFIGS = {
     "pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_engine=1f1b"],
     "pp2_afab": ["parallelism.pp=2", "parallelism.pp_engine=afab"],
     # pp 4 with tied embeddings: the embedding group is a 2-rank group of stages 0 and 3
-    "pp4_1f1b_8mb_tied_embeddings": ["parallelism.pp=4", "training.micro_batch_size=1", "model.tie_word_embeddings=true"],
+    "pp4_1f1b_8mb_tied_embeddings": [
+        "parallelism.pp=4",
+        "training.micro_batch_size=1",
+        "model.tie_word_embeddings=true",
+    ],
     # tp 2 x pp 2 with tied embeddings: a copy on each stage, their gradients summed every step.
     "tp2_pp2_tied_embeddings": [*TIED_TP2_PP2, "parallelism.tp_mode=REDUCE_SCATTER"],
     "dp2_pp2": ["parallelism.dp=2", "parallelism.pp=2"],
