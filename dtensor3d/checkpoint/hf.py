@@ -285,24 +285,20 @@ def _export_tokenizer(source, out: str, cfg: ModelConfig) -> list[str]:
     return write_hf_tokenizer(path, out, max_length=cfg.max_position_embeddings)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-CHAT_TEMPLATE = "chat_template.jinja"  # transformers 5 saves the template beside tokenizer_config.json
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def _copy_tokenizer_files(hf_dir: str, step_tmp: str) -> None:
-    """The directory's tokenizer (and chat template) into the step directory, listed in its
-    manifest: `generate` and training's checkpoints then find it without --tokenizer. A step
-    directory holds safetensors and JSON only: a chat_template.jinja goes into the copied
-    tokenizer_config.json's "chat_template" (where transformers 4 kept it; 5 reads it too)."""
+    """The directory's tokenizer (and chat template, a chat_template.jinja folded into
+    tokenizer_config.json) into the step directory, listed in its manifest: `generate` and
+    training's checkpoints then find it without --tokenizer."""
+    from .save import CHAT_TEMPLATE, template_into_config
+
     for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(hf_dir, name)):
+        if name != CHAT_TEMPLATE and os.path.isfile(os.path.join(hf_dir, name)):
             shutil.copyfile(os.path.join(hf_dir, name), os.path.join(step_tmp, name))
-    template, config = os.path.join(hf_dir, CHAT_TEMPLATE), os.path.join(step_tmp, "tokenizer_config.json")
-    if os.path.isfile(template):
-        settings = read_json(config, "tokenizer config") if os.path.isfile(config) else {}
-        with open(template, encoding="utf-8") as f:
-            settings.setdefault("chat_template", f.read())
-        write_atomic(config, json.dumps(settings, indent=1))
+    if os.path.isfile(os.path.join(hf_dir, CHAT_TEMPLATE)):  # JSON only in a step directory
+        template_into_config(os.path.join(hf_dir, CHAT_TEMPLATE), step_tmp)
 
 
 def import_hf(hf_dir: str, out: str) -> str:
