@@ -4,7 +4,7 @@ themselves are in tests/helpers.py (real launch.sh jobs: tests/jobs.py)."""
 from pathlib import Path
 
 import pytest
-from helpers import PARITY, train_metrics
+from helpers import PARITY, smollm2_hf_dir, train_metrics
 from jobs import Job
 
 
@@ -46,6 +46,13 @@ def shared_run(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (helpers.smollm2_hf_dir), built once
+    per session (about a minute: transformers dequantizes the GGUF)."""
+    return smollm2_hf_dir(tmp_path_factory.mktemp("smollm2"))
 
 
 # ---------------------------------------------------------------- the two tiers

@@ -20,6 +20,8 @@ from helpers import (
     ROOT,
     SAVES_AT_3_AND_6,
     SAVES_AT_5_AND_10,
+    TIED_DP2_TP2,
+    TIED_TP2_PP2,
     assert_parity,
     check_comm,
     check_layout,
@@ -40,13 +42,19 @@ CONFIGS = {
     "tp4": ["parallelism.tp=4", "parallelism.tp_mode=ALL_REDUCE"],
     "pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_engine=1f1b"],
     "pp2_afab": ["parallelism.pp=2", "parallelism.pp_engine=afab"],
-    "pp4_1f1b_8mb": ["parallelism.pp=4", "training.micro_batch_size=1"],
-    "tp2_pp2": ["parallelism.tp=2", "parallelism.pp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    # pp 4 with tied embeddings: the embedding group is a 2-rank group of stages 0 and 3
+    "pp4_1f1b_8mb_tied_embeddings": [
+        "parallelism.pp=4",
+        "training.micro_batch_size=1",
+        "model.tie_word_embeddings=true",
+    ],
+    # tp 2 x pp 2 with tied embeddings: a copy on each stage, their gradients summed every step.
+    "tp2_pp2_tied_embeddings": [*TIED_TP2_PP2, "parallelism.tp_mode=REDUCE_SCATTER"],
     "dp2_pp2": ["parallelism.dp=2", "parallelism.pp=2"],
     "dp2_tp2_pp2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"],
     # dp 2 x tp 2 runs with recompute and with tied embeddings (no plain dp2_tp2 run: suite time).
     "dp2_tp2_recompute": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute_layer=true"],
-    "dp2_tp2_tied_embeddings": ["parallelism.dp=2", "parallelism.tp=2", "model.tie_word_embeddings=true"],
+    "dp2_tp2_tied_embeddings": TIED_DP2_TP2,
     # tp_linear_async_communication under sequence parallelism at dp 2 x tp 2 (ALL_REDUCE:
     # the 3d recipe's run below; tp 2 alone, both modes: test_async_tp).
     "dp2_tp2_sp_async": [
@@ -98,7 +106,12 @@ CONFIGS = {
 
 # Configurations whose run test_checkpoint also uses (conftest.shared_run): the same run, saving
 # checkpoints as it goes (saving leaves training bitwise unchanged: test_checkpoint).
-SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10, "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6}
+SHARED = {
+    "dp2_tp2_pp2": SAVES_AT_5_AND_10,
+    "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6,
+    "tp2_pp2_tied_embeddings": SAVES_AT_3_AND_6,
+    "dp2_tp2_tied_embeddings": SAVES_AT_3_AND_6,
+}
 LONG = {"dp2_tp2_pp2"}  # keeps the recipe's 10 steps (its checkpoints at 5 and 10)
 assert CONFIGS["dp2_tp2_pp2"] == MESH_822
 
