@@ -48,7 +48,7 @@ def _validate_family(recipe: Recipe) -> None:
             f"family 'mixtral' (or 'llama' or 'deepseek_v3' with num_local_experts > 0), none with the others"
         )
     if m.mla:
-        _validate_mla(m)
+        _validate_mla(m, recipe.parallelism)
     if m.head_dim <= 0 or m.head_dim % 2:
         raise RecipeError(f"model.head_dim={m.head_dim} must be a positive even number (RoPE rotates pairs)")
     for key in ("attention_bias", "mlp_bias"):
@@ -65,7 +65,7 @@ def _validate_family(recipe: Recipe) -> None:
         )
 
 
-def _validate_mla(m: ModelConfig) -> None:
+def _validate_mla(m: ModelConfig, p: ParallelismConfig) -> None:
     """Multi-head latent attention's widths: every head has its own key and value (from the
     latent), and the RoPE part rotates pairs."""
     if m.num_key_value_heads != m.num_attention_heads:
@@ -80,6 +80,11 @@ def _validate_mla(m: ModelConfig) -> None:
         raise RecipeError(
             f"model.head_dim={m.head_dim}: multi-head latent attention's head_dim is qk_rope_head_dim="
             f"{m.qk_rope_head_dim} (as in transformers' DeepseekV3Config); remove head_dim"
+        )
+    if p.tp_enabled and p.tp_linear_async_communication:
+        raise RecipeError(
+            "parallelism.tp_linear_async_communication=true: the overlapped tp path (parallel/async_tp.py) "
+            "has no multi-head latent attention; set it to false for family 'deepseek_v3'"
         )
     if m.q_lora_rank is not None and m.q_lora_rank <= 0:
         raise RecipeError(f"model.q_lora_rank={m.q_lora_rank} must be > 0, or null for one full query projection")
@@ -189,11 +194,6 @@ def _validate_stages(m: ModelConfig, p: ParallelismConfig) -> None:
                 f"parallelism.pp_layers={list(p.pp_layers)} must be {p.pp} positive layer counts "
                 f"summing to num_hidden_layers={m.num_hidden_layers}"
             )
-    if m.tie_word_embeddings and p.pp > 1:
-        raise RecipeError(
-            f"model.tie_word_embeddings=true with parallelism.pp={p.pp}: the embedding and the head "
-            f"live on different stages; use tie_word_embeddings: false or pp: 1"
-        )
     if p.ep > 1 and m.num_local_experts == 0:
         raise RecipeError(f"parallelism.ep={p.ep}: the model has no experts (model.num_local_experts=0); valid ep: 1")
     if p.ep > 1 and m.num_local_experts % p.ep:

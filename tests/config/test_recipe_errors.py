@@ -101,7 +101,6 @@ CASES = [
     ),
     Case("layers-fewer-than-pp", ("num_hidden_layers=1", "pp=2"), edit={"model.num_hidden_layers": 1}),
     Case("pp-layers-bad-sum", ("pp_layers", "[1, 1]"), edit={"parallelism.pp_layers": [1, 1]}),
-    Case("tied-embeddings-with-pp", ("tie_word_embeddings", "pp=2"), edit={"model.tie_word_embeddings": True}),
     Case("ep-without-experts", ("ep=2", "num_local_experts=0"), edit={"parallelism.expert_parallel_size": 2}),
     Case("experts-negative", ("num_local_experts", "-1"), edit={"model.num_local_experts": -1}),
     Case("rms-eps-negative", ("rms_norm_eps", "-1"), edit={"model.rms_norm_eps": -1.0}),
@@ -736,6 +735,7 @@ def test_explain_every_key_and_alias(capsys):
         (["model.qk_rope_head_dim=7", "model.head_dim=7"], r"model\.qk_rope_head_dim=7 must be a positive even"),
         (["model.q_lora_rank=0"], r"model\.q_lora_rank=0 must be > 0, or null"),
         (["model.family=llama", "model.num_key_value_heads=4"], r"model\.q_lora_rank=24: a multi-head latent"),
+        (["parallelism.tp=2", "parallelism.tp_linear_async_communication=true"], r"async_communication=true: the"),
     ],
 )
 def test_mla_settings_refused_with_one_line(overrides, message):
