@@ -168,6 +168,8 @@ TRAJECTORY_KEYS = (
     ("data", "kind"),
     ("data", "path"),
     ("data", "seed"),  # the sample order; null means training.seed, compared as the seed it stands for
+    ("data", "sources"),  # a mixture and its stages: which source each sample comes from
+    ("data", "stages"),
 )
 # data.validation is not among them: it changes which windows val_loss reads, never the training samples.
 
@@ -179,6 +181,8 @@ def _trajectory_value(sections, section: str, key: str):
         return (sections.get(s) or {}).get(k) if isinstance(sections, dict) else getattr(getattr(sections, s), k)
 
     value = get(section, key)
+    if key in ("sources", "stages") and not isinstance(sections, dict):
+        value = sections.to_dict()[section][key]  # as the saved record writes it
     return get("training", "seed") if (section, key) == ("data", "seed") and value is None else value
 
 

@@ -12,6 +12,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from ..config.data_sources import mixtures_of
 from ..config.lr import lr_at
 from ..datasets.sources import data_position
 from ..parallel.shards import local
@@ -120,6 +121,7 @@ def copy_tokenizer(recipe, step_tmp: str) -> None:
     """data.kind tokens over a prepared directory: its tokenizer.json into the step directory
     (before sealing, so the manifest lists it), for generate and export-hf."""
     d = recipe.data
-    src = os.path.join(d.path, TOKENIZER) if d.kind == "tokens" and d.path else None
+    mixtures = mixtures_of(d)  # data.path, or a mixture's first source: they share one tokenizer (the door)
+    src = os.path.join(mixtures[0][1][0].path, TOKENIZER) if d.kind == "tokens" and mixtures else None
     if src and os.path.isfile(src):
         shutil.copyfile(src, os.path.join(step_tmp, TOKENIZER))

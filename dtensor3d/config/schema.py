@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import fields
+from .data_sources import Source, Stage
 from .families import FAMILIES
 from .fields import choices_of, field_types, knob
 
@@ -251,7 +252,13 @@ class DataConfig:
     path: str | None = knob(None, "tokens: a prepared directory (prepare-data) or one .npy / .bin token file")
     seed: int | None = knob(None, "the sample order's seed; null: training.seed")
     validation: str | None = knob(
-        "split", "validation windows: split (data.path's held-out documents), a prepared directory, or null"
+        "split", "validation windows: split (the sources' held-out documents), a prepared directory, or null"
+    )
+    sources: tuple[Source, ...] | None = knob(
+        None, "tokens: a weighted mixture of prepared directories, [{path, weight, name}] (instead of data.path)"
+    )
+    stages: tuple[Stage, ...] | None = knob(
+        None, "mixtures that take over at steps: [{start_step, sources}] (start_step counts from 1)"
     )
 
 
@@ -310,11 +317,16 @@ class Recipe:
         if not self.model.num_local_experts:
             for key in EXPERT_ONLY:
                 del out["model"][key]
-        for section in out.values():
-            for key, value in section.items():
-                if isinstance(value, tuple):
-                    section[key] = list(value)
-        return out
+        return _plain(out)
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, all the way down (YAML's safe dumper writes no tuple)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}

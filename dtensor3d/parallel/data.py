@@ -119,3 +119,11 @@ def rank_samples(recipe, coords: dict[str, int], source, step: int) -> tuple[tor
     cp and pp peers; ep x dp split the batch)."""
     p = recipe.parallelism
     return local_batch(recipe, source, step, p.batch_rank(coords), p.batch_ranks)
+
+
+def rank_sources(recipe, coords: dict[str, int], source, step: int) -> torch.Tensor:
+    """Step time, a data mixture: the source index of each of this rank's samples (rank_samples'
+    rows, in order)."""
+    p = recipe.parallelism
+    indices = sample_indices(recipe, step, p.batch_rank(coords), p.batch_ranks)
+    return torch.tensor([source.source_of(i) for i in indices], dtype=torch.int64)

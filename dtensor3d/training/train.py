@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import checkpoint
+from ..config.data_sources import unique_sources
 from ..config.lr import lr_at
 from ..config.schema import Recipe
 from ..datasets.sources import epoch_note, make_source
@@ -57,6 +58,8 @@ class TrainState:
     norm_weights: list[float]  # 1 / replication of each parameter, for the global grad norm
     step: int = 0
     compile_reported: bool = False  # training.compile: the compile time was printed (after the first step)
+    loss_rows: list[torch.Tensor] | None = None  # a data mixture: each row's [loss sum, tokens] (make_loss_fn)
+    source_names: tuple[str, ...] = ()  # a data mixture: its sources, as batches index them
 
     @property
     def is_last_stage(self) -> bool:
@@ -70,12 +73,19 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-def make_loss_fn(global_tokens: int) -> LossFn:
+def make_loss_fn(global_tokens: int, rows: list[torch.Tensor] | None = None) -> LossFn:
     """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
-    and gradients that only need summing across ranks and microbatches."""
+    and gradients that only need summing across ranks and microbatches. With `rows` (a data
+    mixture), each call also appends its rows' [loss sum, token count], detached: the
+    per-source losses are read from them (per_source_sums), off the backpropagated loss."""
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
+        if rows is None:
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
+        per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="none")
+        counted = (targets != -100).float()  # cross_entropy's ignore_index counts nothing
+        rows.append(torch.stack([local(per_token.detach()).view_as(counted).sum(1), counted.sum(1)], 1))
+        return per_token.sum() / global_tokens
 
     return loss_fn
 
@@ -90,12 +100,14 @@ def setup(recipe: Recipe) -> TrainState:
     model = materialize(model, device)
     init_weights(model, recipe.training.seed)
     t, p = recipe.training, recipe.parallelism
-    loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length)
+    loss_rows = [] if recipe.data.sources is not None or recipe.data.stages is not None else None
+    loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length, loss_rows)
     schedule = pipeline.build_schedule(parts, mesh, device, p, recipe.num_microbatches, loss_fn)
     optimizer = build_optimizer([model], recipe.optimizer)
     params = [q for q in model.parameters() if q.requires_grad]
     weights = [1.0 / replication(q, dist.get_world_size(), p.pp) for q in params]
     state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, weights)
+    state.loss_rows, state.source_names = loss_rows, tuple(s.name for _, s in unique_sources(recipe.data))
     checkpoint.load_at_start(state)  # resume (model, optimizer, step, RNG) or Hugging Face init
     return state
 
@@ -139,12 +151,15 @@ def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor
     return total
 
 
-def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """One optimizer step over one global batch; returns loss, grad_norm and lr (and the MoE
-    statistics for a model with experts)."""
+def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> dict:
+    """One optimizer step over one global batch (inputs, targets and, for a data mixture, each
+    row's source index); returns loss, grad_norm and lr (the MoE statistics for a model with
+    experts, `loss/<name>` and `tokens/<name>` for each source of a mixture)."""
     recipe = state.recipe
     state.optimizer.zero_grad(set_to_none=True)
-    loss_sum = forward_backward(state, *batch)
+    if state.loss_rows is not None:
+        state.loss_rows.clear()  # validation's rows too, since the last step
+    loss_sum = forward_backward(state, batch[0], batch[1])
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
@@ -152,7 +167,8 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     reports_loss = state.is_last_stage and state.coords["tp"] == 0
     grad_sq = grad_sq_partial(state.params, state.norm_weights).to(state.device)
     moe = expert.step_stats(state.model, recipe, state.coords, state.device)
-    stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe])
+    per_source = per_source_sums(state, batch[2] if len(batch) > 2 else None) * reports_loss
+    stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe, per_source.flatten()])
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
     lr = lr_at(state.step, recipe.optimizer, recipe.training.steps)
@@ -168,16 +184,46 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     if bad is not None:
         metrics["nonfinite"] = bad  # the loop stops or counts it (faults.SkipCount)
     if recipe.model.num_local_experts:
-        metrics.update(expert.stats_metrics(stats[2:]))
+        metrics.update(expert.stats_metrics(stats[2 : 2 + len(moe)]))
+    metrics.update(source_metrics(stats[2 + len(moe) :].view(-1, 2), state.source_names))
     return metrics
 
 
-def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_source_sums(state: TrainState, sources: torch.Tensor | None) -> torch.Tensor:
+    """[n_sources, 2]: this rank's loss sum and token count of each source's rows (its rows in
+    the order its microbatches computed them; every pipeline schedule computes a stage's
+    microbatch losses in microbatch order). Empty without a mixture; zeros where this rank
+    computes no loss."""
+    if sources is None:
+        return torch.zeros(0, 2, device=state.device)
+    sums = torch.zeros(len(state.source_names), 2, device=state.device)
+    if state.loss_rows:
+        sums.index_add_(0, sources.to(state.device), torch.cat(state.loss_rows).float())
+    return sums
+
+
+def source_metrics(sums: torch.Tensor, names) -> dict:
+    """`loss/<name>` (token-weighted over the global batch) and `tokens/<name>` of each source
+    that has tokens in the step."""
+    out = {}
+    for name, (loss, tokens) in zip(names, sums.tolist()):
+        if tokens > 0:
+            out[f"loss/{name}"], out[f"tokens/{name}"] = loss / tokens, int(tokens)
+    return out
+
+
+def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, ...]:
     """This rank's (inputs, targets) of global batch `step`: its samples (dp, ep) and its
-    tokens of each (cp), on its device."""
+    tokens of each (cp), on its device; for a data mixture, each row's source index too."""
     batch = data.rank_samples(state.recipe, state.coords, source, step)
     inputs, targets = context.shard_batch(batch, state.recipe.parallelism, state.coords)
-    return inputs.to(state.device), targets.to(state.device)
+    if state.loss_rows is None:
+        return inputs.to(state.device), targets.to(state.device)
+    return (
+        inputs.to(state.device),
+        targets.to(state.device),
+        data.rank_sources(state.recipe, state.coords, source, step),
+    )
 
 
 def _banner(state: TrainState) -> str:
