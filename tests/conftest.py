@@ -68,6 +68,7 @@ QUICK_FILES = {
     "test_moe.py",
     "test_context.py",
     "test_data.py",
+    "test_mixture.py",
     "test_checkpoint_slices.py",
     "test_nanotron.py",
     "test_families.py",
