@@ -91,6 +91,7 @@ SLOW_IN_QUICK_FILES = {
     "test_init_from_hf_gathers_nothing",
     "test_trains_like_the_native_recipe_at_world_1",
     "test_trains_like_the_native_recipe_on_tp2",
+    "test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 
