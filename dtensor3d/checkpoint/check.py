@@ -168,8 +168,8 @@ TRAJECTORY_KEYS = (
     ("data", "kind"),
     ("data", "path"),
     ("data", "seed"),  # the sample order; null means training.seed, compared as the seed it stands for
-    ("data", "sources"),  # a mixture and its stages: which source each sample comes from
-    ("data", "stages"),
+    ("data", "sources"),  # a mixture and the stages begun by the saved step: which source each sample came from
+    ("data", "stages"),  # (a stage that begins after the saved step may be added, changed or dropped)
 )
 # data.validation is not among them: it changes which windows val_loss reads, never the training samples.
 
@@ -189,9 +189,11 @@ def _trajectory_value(sections, section: str, key: str):
 def check_trajectory(record: dict, recipe, where: str) -> None:
     """A resume continues the saved run: the same seed, global batch, sequence length and
     data source, and training.steps not behind the saved step (equal: nothing left to do)."""
-    saved = record.get("recipe") or {}
+    saved, step = record.get("recipe") or {}, int(record.get("step", 0))
     for section, key in TRAJECTORY_KEYS:
         theirs, mine = _trajectory_value(saved, section, key), _trajectory_value(recipe, section, key)
+        if key == "stages":  # those begun by the saved step (start_step <= step); none: null
+            theirs, mine = ([s for s in v or () if s["start_step"] <= step] or None for v in (theirs, mine))
         if key == "path" and theirs is not None and mine is not None:
             theirs, mine = os.path.normpath(theirs), os.path.normpath(mine)
         if theirs != mine:
@@ -200,7 +202,6 @@ def check_trajectory(record: dict, recipe, where: str) -> None:
                 f"continues the saved run: set {section}.{key}={theirs}, or start a new run in another "
                 f"checkpoint.dir (or checkpoint.resume=none)"
             )
-    step = int(record.get("step", 0))
     if recipe.training.steps < step:
         raise CheckpointError(
             f"training.steps={recipe.training.steps} but checkpoint {where} is at step {step}; "

@@ -190,15 +190,16 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> dict:
 
 
 def per_source_sums(state: TrainState, sources: torch.Tensor | None) -> torch.Tensor:
-    """[n_sources, 2]: this rank's loss sum and token count of each source's rows (its rows in
-    the order its microbatches computed them; every pipeline schedule computes a stage's
-    microbatch losses in microbatch order). Empty without a mixture; zeros where this rank
-    computes no loss."""
+    """[n_sources, 2]: this rank's loss sum and token count of each source's rows: the last
+    len(sources) rows the loss recorded, in the order its microbatches computed them (every
+    pipeline schedule computes a stage's microbatch losses in microbatch order, after the
+    loss call of its first step's shape inference). Empty without a mixture; zeros where
+    this rank computes no loss."""
     if sources is None:
         return torch.zeros(0, 2, device=state.device)
     sums = torch.zeros(len(state.source_names), 2, device=state.device)
     if state.loss_rows:
-        sums.index_add_(0, sources.to(state.device), torch.cat(state.loss_rows).float())
+        sums.index_add_(0, sources.to(state.device), torch.cat(state.loss_rows)[-len(sources) :].float())
     return sums
 
 

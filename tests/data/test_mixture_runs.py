@@ -192,3 +192,32 @@ def test_training_reads_no_validation_document_and_validation_no_training_one(ru
                     assert any(piece in d for d in own) and not any(piece in d for d in other), (split, piece)
                     checked[split] += 1
     assert checked["train"] >= 48 and checked["val"] >= 24, checked
+
+
+def test_a_resume_keeps_the_mixtures_begun_and_may_change_later_stages(runs, dirs, capsys):
+    """From the step-2 checkpoint: the stage that begins at step 3 may change (no sample of it
+    was read); data.sources, which steps 1-2 read, may not."""
+    base = [a for a in overrides(dirs, runs["root"]) if not a.startswith(("data.sources", "data.stages"))]
+    args = ["validate", PARITY, *base, f"checkpoint.resume={runs['root'] / 'ck' / 'step_00000002'}"]
+    first = f"data.sources=[{{path: {dirs['web']}, weight: 3}}, {{path: {dirs['code']}, weight: 1}}]"
+    later = f"data.stages=[{{start_step: 3, sources: [{{path: {dirs['math']}, weight: 1}}]}}]"
+    assert main([*args, first, later]) == 0
+    capsys.readouterr()
+    other = f"data.sources=[{{path: {dirs['web']}, weight: 1}}, {{path: {dirs['code']}, weight: 1}}]"
+    assert main([*args, other, later]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint") and "data.sources=" in err and err.count("\n") == 1
+
+
+def test_per_source_losses_at_pp2_equal_the_1_process_run(runs, dirs, tmp_path):
+    """pp 2 (1F1B): the last stage's loss calls include one of torch's shape inference in the
+    first step; the per-source losses are still those of the 1-process run (<= 1e-5)."""
+    extra = [
+        a for a in overrides(dirs, tmp_path) if not a.startswith(("training.steps", "training.eval", "checkpoint"))
+    ]
+    pp2 = run(tmp_path, 2, [*extra, "training.steps=2", "training.eval_every=0", "parallelism.pp=2"])
+    for got, ref in zip(pp2["metrics"], runs["one"]["metrics"][:2], strict=True):
+        keys = [k for k in ref if k.startswith(("loss", "tokens/"))]
+        assert keys == [k for k in got if k.startswith(("loss", "tokens/"))]
+        for k in keys:
+            assert abs(got[k] - ref[k]) <= 1e-5 * abs(ref[k]), (ref["step"], k, got[k], ref[k])
