@@ -169,3 +169,32 @@ def test_a_bad_mixture_stops_train_before_any_process_starts(dirs, tmp_path):
     line = one_error_line(proc)
     assert "data.sources[1].path" in line and "gone" in line
     assert not run_dir.exists()
+
+
+def test_data_path_then_stages(dirs):
+    """data.path is the first mixture (one source, named after its directory) until the first stage."""
+    stage = f"data.stages=[{{start_step: 3, sources: [{{path: {dirs['web']}}}, {{path: {dirs['math']}, weight: 3}}]}}]"
+    recipe = load_recipe(PARITY, ["data.kind=tokens", f"data.path={dirs['web']}", stage, "model.vocab_size=264"])
+    source = make_source(recipe)
+    names = [source.window(i)[0] for i in range(40)]
+    assert names[:16] == ["web"] * 16 and Counter(names[16:]) == {"web": 6, "math": 18}
+    # web continues its own order: the stage's web draws are not the ones steps 1-2 read.
+    draws = [source.pick(i) for i in range(40)]
+    web = [d for s, d in draws if s.name == "web"]
+    assert len(web) == len(set(web)) and min(d for s, d in draws[16:] if s.name == "web") >= 16
+
+
+def test_a_mixture_without_validation_windows_is_refused_when_evaluating(dirs, tmp_path):
+    from dtensor3d.__main__ import main
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "one.txt").write_text("a b c " * 300)
+    args = ["prepare-data", str(tmp_path / "text"), "--out", str(tmp_path / "noval"), "--tokenizer", "byte"]
+    assert main([*args, "--val-fraction", "0", "--no-progress"]) == 0
+    both = sources(f"{{path: {tmp_path / 'noval'}}}")
+    line = one_error_line(cli("validate", PARITY, "data.kind=tokens", both, "model.vocab_size=264"))
+    assert "data.validation=split" in line and "training.eval_every: 0" in line
+    assert (
+        cli("validate", PARITY, "data.kind=tokens", both, "model.vocab_size=264", "training.eval_every=0").returncode
+        == 0
+    )
