@@ -51,10 +51,12 @@ def data_seed(recipe) -> int:
 
 
 def prepared_source(recipe, split: str):
-    """A prepared directory (datasets/tokens.py). "train": seeded windows, a fresh permutation
-    each epoch. "validation": the fixed windows of data.validation ("split": data.path's own
-    validation split; a directory: that prepared directory's validation split, or its
-    training split when it has no validation part), window j mod their count."""
+    """A prepared directory (datasets/tokens.py) or a mixture of them (data.sources /
+    data.stages: datasets/mixture.py). "train": seeded windows, a fresh permutation each
+    epoch. "validation": the fixed windows of data.validation ("split": data.path's own
+    validation split, or every mixture source's, source after source; a directory: that
+    prepared directory's validation split, or its training split when it has no validation
+    part), window j mod their count."""
     from ..config.data_sources import unique_sources
     from .mixture import Mixture, MixtureValidation
     from .tokens import TrainWindows, ValidationWindows, read_meta
