@@ -107,7 +107,8 @@ def setup(recipe: Recipe) -> TrainState:
     params = [q for q in model.parameters() if q.requires_grad]
     weights = [1.0 / replication(q, dist.get_world_size(), p.pp) for q in params]
     state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, weights)
-    state.loss_rows, state.source_names = loss_rows, tuple(s.name for _, s in unique_sources(recipe.data))
+    if loss_rows is not None:  # the mixture's sources, in make_source's order (Mixture.names)
+        state.loss_rows, state.source_names = loss_rows, tuple(s.name for _, s in unique_sources(recipe.data))
     checkpoint.load_at_start(state)  # resume (model, optimizer, step, RNG) or Hugging Face init
     return state
 
