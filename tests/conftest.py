@@ -1,10 +1,11 @@
 """The tests' fixtures (runs shared within a session) and the two tiers' table; the helpers
-themselves are in tests/helpers.py."""
+themselves are in tests/helpers.py (real launch.sh jobs: tests/jobs.py)."""
 
 from pathlib import Path
 
 import pytest
 from helpers import PARITY, train_metrics
+from jobs import Job
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +60,7 @@ QUICK_FILES = {
     "test_plan_accuracy.py",
     "test_plan_simulate.py",
     "test_prepare.py",
+    "test_chat.py",
     "test_recipe_errors.py",
     "test_metrics.py",
     "test_generate.py",
@@ -73,6 +75,7 @@ QUICK_FILES = {
     "test_nanotron.py",
     "test_families.py",
     "test_family_recipes.py",
+    "test_documents.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {
@@ -92,6 +95,7 @@ SLOW_IN_QUICK_FILES = {
     "test_trains_like_the_native_recipe_at_world_1",
     "test_trains_like_the_native_recipe_on_tp2",
     "test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages",
+    "test_document_masking_parity_across_meshes",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 
@@ -101,3 +105,17 @@ def pytest_collection_modifyitems(config, items):
         quick = item.path.name in QUICK_FILES and item.originalname not in SLOW_IN_QUICK_FILES
         if not quick and item.nodeid not in SMOKE:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def jobs():
+    """Job(...) for a test; those still running at its end are stopped (Job.stop)."""
+    started = []
+
+    def start(*args, **kwargs) -> Job:
+        started.append(Job(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.stop()

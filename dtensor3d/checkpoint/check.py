@@ -170,12 +170,14 @@ TRAJECTORY_KEYS = (
     ("data", "seed"),  # the sample order; null means training.seed, compared as the seed it stands for
     ("data", "sources"),  # a mixture and the stages begun by the saved step: which source each sample came from
     ("data", "stages"),  # (a stage that begins after the saved step may be added, changed or dropped)
+    ("data", "document_masking"),  # what each token attends to; absent (older checkpoints) means false
 )
 # data.validation is not among them: it changes which windows val_loss reads, never the training samples.
 
 
 def _trajectory_value(sections, section: str, key: str):
-    """sections.section.key of a saved recipe dict or a Recipe; data.seed null -> training.seed."""
+    """sections.section.key of a saved recipe dict or a Recipe; data.seed null -> training.seed,
+    data.document_masking absent -> false."""
 
     def get(s: str, k: str):
         return (sections.get(s) or {}).get(k) if isinstance(sections, dict) else getattr(getattr(sections, s), k)
@@ -183,6 +185,8 @@ def _trajectory_value(sections, section: str, key: str):
     value = get(section, key)
     if key in ("sources", "stages") and not isinstance(sections, dict):
         value = sections.to_dict()[section][key]  # as the saved record writes it
+    if (section, key) == ("data", "document_masking"):
+        return bool(value)
     return get("training", "seed") if (section, key) == ("data", "seed") and value is None else value
 
 

@@ -288,11 +288,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _copy_tokenizer_files(hf_dir: str, step_tmp: str) -> None:
-    """The directory's tokenizer (and chat template) into the step directory, listed in its
-    manifest: `generate` and training's checkpoints then find it without --tokenizer."""
+    """The directory's tokenizer (and chat template, a chat_template.jinja folded into
+    tokenizer_config.json) into the step directory, listed in its manifest: `generate` and
+    training's checkpoints then find it without --tokenizer."""
+    from .save import CHAT_TEMPLATE, template_into_config
+
     for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(hf_dir, name)):
+        if name != CHAT_TEMPLATE and os.path.isfile(os.path.join(hf_dir, name)):
             shutil.copyfile(os.path.join(hf_dir, name), os.path.join(step_tmp, name))
+    if os.path.isfile(os.path.join(hf_dir, CHAT_TEMPLATE)):  # JSON only in a step directory
+        template_into_config(os.path.join(hf_dir, CHAT_TEMPLATE), step_tmp)
 
 
 def import_hf(hf_dir: str, out: str) -> str:

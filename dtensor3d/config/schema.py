@@ -260,6 +260,9 @@ class DataConfig:
     stages: tuple[Stage, ...] | None = knob(
         None, "mixtures that take over at steps: [{start_step, sources}] (start_step counts from 1)"
     )
+    document_masking: bool = knob(
+        False, "packed documents: attention within each document, RoPE positions restarting at each (prepared dirs)"
+    )
 
 
 @dataclass(frozen=True)

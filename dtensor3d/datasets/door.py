@@ -1,13 +1,14 @@
 """Data checks at the door: everything about data.path that can be seen before any process
 group starts, each a DataError naming the key or file, the value and what is valid.
 
-A prepared directory: meta.json readable, every shard and offsets file there with the size
+A prepared directory: meta.json readable, every shard, loss mask and offsets file there with the size
 meta.json records (and, with `hashes`, the sha256 it records: validate / launch.sh), its
 vocabulary within model.vocab_size, at least one sample of training tokens, and the
 validation windows a run with eval_every > 0 reads. One token file: .npy of an integer
 dtype and one dimension, or .bin of uint16; at least one sample; every id in
 0..model.vocab_size-1 (a vectorised min/max over the memory map, in blocks). A mixture
 (data.sources, data.stages): every source a prepared directory as above, all of one tokenizer.
+data.document_masking: only prepared directories (their document offsets).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from ..config.data_sources import unique_sources
 from ..errors import DataError
-from .tokendir import META, TOKENIZER, docs_name, read_meta, sha256_file
+from .tokendir import META, TOKENIZER, docs_name, mask_name, read_meta, sha256_file
 
 BLOCK = 1 << 24  # tokens per block of the id range check
 
@@ -79,6 +80,8 @@ def check_token_file(path: str, sequence_length: int, vocab: int) -> None:
 def _check_files(path: str, meta: dict, split: str, hashes: bool) -> None:
     entry, itemsize = meta["splits"][split], np.dtype(meta["dtype"]).itemsize
     expected = [(s["file"], s["tokens"] * itemsize, s.get("sha256")) for s in entry["shards"]]
+    if "loss_mask" in meta:  # prepare-data --chat: one uint8 per token beside each shard
+        expected += [(mask_name(s["file"]), s["tokens"], s.get("mask_sha256")) for s in entry["shards"]]
     expected.append((entry.get("docs", docs_name(split)), (entry.get("documents", 0) + 1) * 8, None))
     for name, size, digest in expected:
         file = os.path.join(path, name)
@@ -165,9 +168,25 @@ def _check_mixture(recipe, hashes: bool) -> None:
         _check_validation(recipe, hashes)
 
 
+def _check_document_masking(d) -> None:
+    """data.document_masking needs document offsets: only a prepared directory has them."""
+    if d.kind != "tokens":
+        where = f"data.kind={d.kind!r} has no documents"
+    elif d.path is not None and not os.path.isdir(d.path):
+        where = f"data.path {d.path!r} is a single token file, which records no document boundaries"
+    else:
+        return
+    raise DataError(
+        f"data.document_masking=true: {where}; give data.kind=tokens and a prepared directory (prepare-data writes "
+        "its document offsets) or set data.document_masking: false"
+    )
+
+
 def check_data_at_door(recipe, hashes: bool = False) -> None:
     """data.path against the recipe (see the module docstring); nothing for synthetic data."""
     d = recipe.data
+    if d.document_masking:
+        _check_document_masking(d)
     if d.kind != "tokens":
         return
     if d.sources is not None or d.stages is not None:

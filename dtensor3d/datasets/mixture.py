@@ -113,6 +113,25 @@ class Mixture:
         source, draw = self.pick(i)
         return self.readers[source.name](draw)
 
+    @property
+    def masked(self) -> bool:
+        """Some source has loss masks (prepare-data --chat); the others' tokens all count."""
+        return any(r.masked for r in self.readers.values())
+
+    def loss_mask(self, i: int) -> torch.Tensor:
+        source, draw = self.pick(i)
+        return part_mask(self.readers[source.name], draw)
+
+    def documents(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, document ids) of sample i's tokens, from its source (data.document_masking)."""
+        source, draw = self.pick(i)
+        return self.readers[source.name].documents(draw)
+
+
+def part_mask(reader, j: int) -> torch.Tensor:
+    """One source's loss mask of its sample j: its own, or all ones where it has none."""
+    return reader.loss_mask(j) if reader.masked else torch.ones(reader.length + 1, dtype=torch.uint8)
+
 
 class MixtureValidation:
     """The validation windows of a mixture: each source's held-out windows (data.validation
@@ -129,10 +148,25 @@ class MixtureValidation:
             names = ", ".join(os.path.normpath(s.path) for s in mixture_sources)
             raise DataError(f"data.validation: split, but no source ({names}) has a validation window")
 
-    def __call__(self, j: int) -> torch.Tensor:
+    def _find(self, j: int):
         j %= self.count
         for part in self.parts:
             if j < part.count:
-                return part(j)
+                return part, j
             j -= part.count
         raise AssertionError("a window beyond the count")
+
+    def __call__(self, j: int) -> torch.Tensor:
+        part, k = self._find(j)
+        return part(k)
+
+    @property
+    def masked(self) -> bool:
+        return any(p.masked for p in self.parts)
+
+    def loss_mask(self, j: int) -> torch.Tensor:
+        return part_mask(*self._find(j))
+
+    def documents(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part, k = self._find(j)
+        return part.documents(k)

@@ -108,17 +108,59 @@ def sample_indices(recipe, step: int, batch_rank: int, batch_ranks: int) -> list
     return [base + m * per_micro + batch_rank * mbs + j for m in range(n_micro) for j in range(mbs)]
 
 
+IGNORE = -100  # the target of a token the loss mask excludes (cross_entropy's ignore_index)
+
+
 def local_batch(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int = 1):
-    """(inputs, targets), each [n_microbatches * micro_batch_size, sequence_length]."""
-    rows = torch.stack([source(i) for i in sample_indices(recipe, step, batch_rank, batch_ranks)])
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    """(inputs, targets), each [n_microbatches * micro_batch_size, sequence_length]. A source
+    with a loss mask (`source.masked`, data prepared with --chat) gives IGNORE as the target of
+    every token its mask excludes."""
+    indices = sample_indices(recipe, step, batch_rank, batch_ranks)
+    rows = torch.stack([source(i) for i in indices])
+    targets = rows[:, 1:].contiguous()
+    if getattr(source, "masked", False):
+        keep = torch.stack([source.loss_mask(i) for i in indices])[:, 1:].bool()
+        targets = targets.masked_fill(~keep, IGNORE)
+    return rows[:, :-1].contiguous(), targets
 
 
-def rank_samples(recipe, coords: dict[str, int], source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_tokens(recipe, source, step: int, batches: int = 1) -> int:
+    """The targets that count in the loss over global batches step .. step + batches - 1:
+    every token of them, or with a loss mask the unmasked ones (read from the mask of every
+    sample: the same number on every rank, at every mesh, with no communication)."""
+    t = recipe.training
+    if not getattr(source, "masked", False):
+        return batches * t.global_batch_size * t.sequence_length
+    first = step * t.global_batch_size
+    return sum(int(source.loss_mask(i)[1:].sum()) for i in range(first, first + batches * t.global_batch_size))
+
+
+def local_documents(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int = 1) -> dict[str, torch.Tensor]:
+    """The inputs' packed documents (data.document_masking): {"position_ids", "document_ids"},
+    each [n_microbatches * micro_batch_size, sequence_length], the model's keyword arguments."""
+    indices = sample_indices(recipe, step, batch_rank, batch_ranks)
+    positions, documents = (torch.stack(t) for t in zip(*(source.documents(i) for i in indices)))
+    return {"position_ids": positions[:, :-1].contiguous(), "document_ids": documents[:, :-1].contiguous()}
+
+
+def rank_samples(recipe, coords: dict[str, int], source, step: int) -> tuple:
     """Step time: this rank's samples of global batch `step` (it shares them with its tp,
-    cp and pp peers; ep x dp split the batch)."""
+    cp and pp peers; ep x dp split the batch): (inputs, targets), and with
+    data.document_masking the dict of local_documents after them."""
     p = recipe.parallelism
-    return local_batch(recipe, source, step, p.batch_rank(coords), p.batch_ranks)
+    where = (recipe, source, step, p.batch_rank(coords), p.batch_ranks)
+    batch = local_batch(*where)
+    return (*batch, local_documents(*where)) if recipe.data.document_masking else batch
+
+
+def rows_of(docs: dict, rows: slice) -> dict:
+    """One microbatch's rows of the documents' keyword arguments (empty: none)."""
+    return {key: t[rows] for key, t in docs.items()}
+
+
+def batch_to(batch: tuple, device: torch.device) -> tuple:
+    """Every tensor of a batch (and of the documents' dict in it) on `device`."""
+    return tuple({k: t.to(device) for k, t in x.items()} if isinstance(x, dict) else x.to(device) for x in batch)
 
 
 def rank_sources(recipe, coords: dict[str, int], source, step: int) -> torch.Tensor:

@@ -75,15 +75,17 @@ def resolve_device(choice: str) -> str:
 
 def make_loss_fn(global_tokens: int, rows: list[torch.Tensor] | None = None) -> LossFn:
     """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
-    and gradients that only need summing across ranks and microbatches. With `rows` (a data
-    mixture), each call also appends its rows' [loss sum, token count], detached: the
+    and gradients that only need summing across ranks and microbatches. A target a loss mask
+    excludes is data.IGNORE, cross_entropy's default ignore_index: it adds nothing (the step
+    then renormalises by the count of the others, `renormalise`). With `rows` (a data
+    mixture), each call also appends its rows' [loss sum, counted targets], detached: the
     per-source losses are read from them (per_source_sums), off the backpropagated loss."""
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if rows is None:
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="none")
-        counted = (targets != -100).float()  # cross_entropy's ignore_index counts nothing
+        counted = (targets != data.IGNORE).float()  # a masked target counts nothing
         rows.append(torch.stack([local(per_token.detach()).view_as(counted).sum(1), counted.sum(1)], 1))
         return per_token.sum() / global_tokens
 
@@ -123,11 +125,15 @@ def compute_dtype_context(state: TrainState):
     return torch.autocast(state.device.type, enabled=False)
 
 
-def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def forward_backward(
+    state: TrainState, inputs: torch.Tensor, targets: torch.Tensor, docs: dict | None = None
+) -> torch.Tensor:
     """Run every microbatch of this rank's local batch; return the sum of its losses (zero
-    where this rank computes none). With training.compile, rank 0 prints the compile time
-    once, after the first step (torch compiles each block in its first forward and backward)."""
-    total = _microbatches(state, inputs, targets)
+    where this rank computes none). `docs`: the packed documents' position_ids and
+    document_ids (data.document_masking), the model's keyword arguments, split like the
+    inputs. With training.compile, rank 0 prints the compile time once, after the first step
+    (torch compiles each block in its first forward and backward)."""
+    total = _microbatches(state, inputs, targets, docs or {})
     if state.recipe.training.compile and not state.compile_reported:
         state.compile_reported = True
         if is_rank0():
@@ -136,31 +142,35 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
     return total
 
 
-def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor, docs: dict) -> torch.Tensor:
     p, mbs = state.recipe.parallelism, state.recipe.training.micro_batch_size
     with tensor.loss_context(p), compute_dtype_context(state):
         if state.schedule is not None:
-            return pipeline.schedule_step(state.schedule, inputs, targets, state.coords["pp"], p)
+            return pipeline.schedule_step(state.schedule, inputs, targets, state.coords["pp"], p, docs=docs)
         total = torch.zeros((), device=state.device)
         n_micro = inputs.shape[0] // mbs
         for m in range(n_micro):
             rows = slice(m * mbs, (m + 1) * mbs)
             data.gradient_sync(state.model, p, last_microbatch=m == n_micro - 1)
-            loss = state.loss_fn(state.model(inputs[rows]), targets[rows])
+            loss = state.loss_fn(state.model(inputs[rows], **data.rows_of(docs, rows)), targets[rows])
             loss.backward()
             total += local(loss.detach()).float()
     return total
 
 
-def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> dict:
-    """One optimizer step over one global batch (inputs, targets and, for a data mixture, each
-    row's source index); returns loss, grad_norm and lr (the MoE statistics for a model with
-    experts, `loss/<name>` and `tokens/<name>` for each source of a mixture)."""
+def train_step(
+    state: TrainState, batch: tuple, loss_tokens: int | None = None, sources: torch.Tensor | None = None
+) -> dict:
+    """One optimizer step over one global batch; returns loss, grad_norm and lr (and the MoE
+    statistics for a model with experts). `loss_tokens`: the global count of the targets that
+    count, where a loss mask excludes some (data.loss_tokens; None: every target counts).
+    `sources`: a data mixture's source index of each of this rank's rows (data.rank_sources),
+    for `loss/<name>` and `tokens/<name>` of each source in the step."""
     recipe = state.recipe
     state.optimizer.zero_grad(set_to_none=True)
     if state.loss_rows is not None:
         state.loss_rows.clear()  # validation's rows too, since the last step
-    loss_sum = forward_backward(state, batch[0], batch[1])
+    loss_sum = renormalise(state, forward_backward(state, *batch), loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
@@ -168,7 +178,7 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> dict:
     reports_loss = state.is_last_stage and state.coords["tp"] == 0
     grad_sq = grad_sq_partial(state.params, state.norm_weights).to(state.device)
     moe = expert.step_stats(state.model, recipe, state.coords, state.device)
-    per_source = per_source_sums(state, batch[2] if len(batch) > 2 else None) * reports_loss
+    per_source = per_source_sums(state, sources) * reports_loss
     stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe, per_source.flatten()])
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
@@ -214,18 +224,27 @@ def source_metrics(sums: torch.Tensor, names) -> dict:
     return out
 
 
-def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, ...]:
+def renormalise(state: TrainState, loss_sum: torch.Tensor, loss_tokens: int | None) -> torch.Tensor:
+    """A loss mask (data prepared with --chat): the microbatch losses were divided by every
+    target of the global batch, the masked ones adding nothing (data.IGNORE); multiply the
+    loss and the gradients by (all targets / counted targets), so both are normalised by the
+    global count of counted targets (the same number at every mesh). Without a mask (or with
+    every target counted) nothing is touched."""
+    t = state.recipe.training
+    full = t.global_batch_size * t.sequence_length
+    if loss_tokens is None or loss_tokens == full:
+        return loss_sum
+    scale = full / max(loss_tokens, 1)  # a batch with nothing to learn: loss 0, no gradient
+    torch._foreach_mul_([local(q.grad) for q in state.params if q.grad is not None], scale)
+    return loss_sum * scale
+
+
+def rank_batch(state: TrainState, source, step: int) -> tuple:
     """This rank's (inputs, targets) of global batch `step`: its samples (dp, ep) and its
-    tokens of each (cp), on its device; for a data mixture, each row's source index too."""
+    tokens of each (cp), on its device; with data.document_masking, then the dict of its
+    tokens' position_ids and document_ids."""
     batch = data.rank_samples(state.recipe, state.coords, source, step)
-    inputs, targets = context.shard_batch(batch, state.recipe.parallelism, state.coords)
-    if state.loss_rows is None:
-        return inputs.to(state.device), targets.to(state.device)
-    return (
-        inputs.to(state.device),
-        targets.to(state.device),
-        data.rank_sources(state.recipe, state.coords, source, step),
-    )
+    return data.batch_to(context.shard_batch(batch, state.recipe.parallelism, state.coords), state.device)
 
 
 def _banner(state: TrainState) -> str:
@@ -244,7 +263,9 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
     if is_rank0() and (note := epoch_note(source, recipe, state.step)):
         print(note, flush=True)  # the sample order enters a new epoch in this step
     with guard.step(state), hooks.during_step(found, state):
-        metrics = train_step(state, rank_batch(state, source, state.step))
+        batch = rank_batch(state, source, state.step)
+        mixed = data.rank_sources(recipe, state.coords, source, state.step) if state.loss_rows is not None else None
+        metrics = train_step(state, batch, data.loss_tokens(recipe, source, state.step), mixed)
     seconds = time.perf_counter() - start
     guard.check(metrics)
     for hook in found:
@@ -289,6 +310,7 @@ def train(recipe: Recipe) -> list[dict]:
     finally:
         _close(found, guard)
     guard.final_barrier()  # every rank reached the end: only then the `done:` line
-    log.done()
+    if not guard.resizing:  # an elastic resize: the job goes on with new ranks
+        log.done()
     dist.destroy_process_group()
     return log.records
