@@ -221,3 +221,32 @@ def test_per_source_losses_at_pp2_equal_the_1_process_run(runs, dirs, tmp_path):
         assert keys == [k for k in got if k.startswith(("loss", "tokens/"))]
         for k in keys:
             assert abs(got[k] - ref[k]) <= 1e-5 * abs(ref[k]), (ref["step"], k, got[k], ref[k])
+
+
+def test_per_source_losses_count_only_the_unmasked_targets_of_chat_data(tmp_path):
+    """Two chat directories (prepare-data --chat, one tokenizer) mixed 1 : 1, one process, 2
+    steps: tokens/<name> is each source's count of unmasked targets, and the per-source losses
+    weighted by them sum to the loss, normalised by the step's global unmasked count."""
+    from helpers import chat_rows, chat_tokenizer_dir, train_metrics, write_jsonl
+
+    from dtensor3d.datasets.prepare import PrepareOptions, prepare
+    from dtensor3d.parallel.data import IGNORE, local_batch
+
+    tok, rows = chat_tokenizer_dir(tmp_path / "tok"), chat_rows(160)
+    for name, part in (("qa", rows[:80]), ("chat", rows[80:])):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", part)
+        prepare(PrepareOptions((str(data),), str(tmp_path / name), tokenizer=str(tok), val_fraction=0.2, chat=True))
+    mix = f"data.sources=[{{path: {tmp_path / 'qa'}, weight: 1}}, {{path: {tmp_path / 'chat'}, weight: 1}}]"
+    extra = ["data.kind=tokens", mix, "model.vocab_size=304", "training.steps=2", "training.micro_batch_size=2"]
+    records = train_metrics(tmp_path / "run", 1, [*extra, "training.eval_every=0"])
+    recipe = load_recipe(PARITY, extra)
+    source = make_source(recipe)
+    for record in records:
+        step = record["step"] - 1
+        targets = local_batch(recipe, source, step)[1]
+        names = [source.window(i)[0] for i in sample_indices(recipe, step, 0, 1)]
+        want = {n: int(sum((targets[k] != IGNORE).sum() for k in range(8) if names[k] == n)) for n in set(names)}
+        assert {k[7:]: v for k, v in record.items() if k.startswith("tokens/")} == want
+        assert sum(want.values()) < 8 * L  # the masks exclude most targets
+        weighted = sum(record[f"loss/{n}"] * want[n] for n in want) / sum(want.values())
+        assert abs(weighted - record["loss"]) <= 1e-6 * record["loss"], (weighted, record)
