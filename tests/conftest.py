@@ -87,6 +87,7 @@ SLOW_IN_QUICK_FILES = {
     "test_device_mesh_dp_cp_joins_dp_and_cp",
     "test_parallel_context_3d",
     "test_expert_parallel_dispatch_matches_local",
+    "test_tp_ranks_route_half_the_tokens_each",
     "test_cp_attention_matches_single_device",
     "test_training_on_a_prepared_directory_matches_across_meshes",
     "test_save_gathers_nothing",

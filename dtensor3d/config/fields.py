@@ -76,3 +76,12 @@ def type_text(tp: Any) -> str:
     else:
         text = str(base)
     return text + (" or null" if optional else "")
+
+
+def plain(value: Any) -> Any:
+    """Tuples as lists, all the way down (YAML's safe dumper writes no tuple)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value

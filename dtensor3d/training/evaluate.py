@@ -16,8 +16,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..parallel import context, data, expert, pipeline, tensor
+from ..parallel import context, data, pipeline, tensor
 from ..parallel.shards import local
+from . import balance
 
 
 def eval_due(recipe, step: int) -> bool:
@@ -51,7 +52,7 @@ def validation_loss(state, source, compute_context) -> dict:
     reports = state.is_last_stage and state.coords["tp"] == 0
     total = total * reports
     dist.all_reduce(total)
-    expert.step_stats(state.model, recipe, state.coords, state.device)  # drop the routing records of eval
+    balance.step_stats(state.model, recipe, state.coords, state.device)  # drop the routing records of eval
     loss = total.item() / recipe.training.eval_batches
     if getattr(source, "masked", False):  # the batch losses' sum over the counted targets of all batches
         t = recipe.training

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +33,7 @@ from ..parallel import context, data, expert, pipeline, tensor
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
-from . import faults, hooks
+from . import balance, faults, hooks
 from .optim import build_optimizer, clip_, grad_sq_partial, replication
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
@@ -60,6 +60,7 @@ class TrainState:
     compile_reported: bool = False  # training.compile: the compile time was printed (after the first step)
     loss_rows: list[torch.Tensor] | None = None  # a data mixture: each row's [loss sum, tokens] (make_loss_fn)
     source_names: tuple[str, ...] = ()  # a data mixture: its sources, as batches index them
+    load_streaks: dict[int, int] = field(default_factory=dict)  # MoE layer -> steps over the load warning
 
     @property
     def is_last_stage(self) -> bool:
@@ -173,11 +174,12 @@ def train_step(
     loss_sum = renormalise(state, forward_backward(state, *batch), loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
+    expert.sum_tp_grads(state.model, recipe.parallelism, state.mesh)
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
     # squared grad norm (each copy weighted by 1 / its replication) and the MoE statistics.
     reports_loss = state.is_last_stage and state.coords["tp"] == 0
     grad_sq = grad_sq_partial(state.params, state.norm_weights).to(state.device)
-    moe = expert.step_stats(state.model, recipe, state.coords, state.device)
+    moe = balance.step_stats(state.model, recipe, state.coords, state.device)
     per_source = per_source_sums(state, sources) * reports_loss
     stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe, per_source.flatten()])
     dist.all_reduce(stats)
@@ -190,14 +192,27 @@ def train_step(
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         state.optimizer.step()
+        balance.update_router_bias(state.model, recipe, stats[2 : 2 + len(moe)])
     state.step += 1
     metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
     if bad is not None:
         metrics["nonfinite"] = bad  # the loop stops or counts it (faults.SkipCount)
     if recipe.model.num_local_experts:
-        metrics.update(expert.stats_metrics(stats[2 : 2 + len(moe)]))
+        _moe_metrics(state, metrics, stats[2 : 2 + len(moe)])
     metrics.update(source_metrics(stats[2 + len(moe) :].view(-1, 2), state.source_names))
     return metrics
+
+
+def _moe_metrics(state: TrainState, metrics: dict, stats: torch.Tensor) -> None:
+    """The step's expert-load metrics (training/balance.py), the bias range when balancing,
+    and rank 0's one-line warning when a layer's load stays unbalanced."""
+    recipe = state.recipe
+    metrics.update(balance.stats_metrics(stats, recipe))
+    if recipe.model.router_bias_update_rate > 0:
+        metrics["router_bias_range"] = balance.bias_ranges(state.model, recipe, state.device)
+    line = balance.load_warning(state.load_streaks, metrics["expert_load_by_layer"], recipe)
+    if line and is_rank0():
+        print(line, flush=True)
 
 
 def per_source_sums(state: TrainState, sources: torch.Tensor | None) -> torch.Tensor:
