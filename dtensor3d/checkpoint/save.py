@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..config.data_sources import mixtures_of
 from ..config.lr import lr_at
 from ..datasets.sources import data_position
+from ..models import stored_name
 from ..parallel.shards import local
 from .format import (
     SLICES,
@@ -59,6 +60,8 @@ def stage_slices(state) -> StageSlices:
     writers = Writers(state.recipe.parallelism.dims, state.coords)
     params, moments, places = {}, {}, {}
     for name, p in state.model.named_parameters():
+        if stored_name(state.model.cfg, name) != name:
+            continue  # a tied head's copy (the last pipeline stage's): the first stage saves the matrix
         if writers.writes(p):
             _add(params, places, name, p)
         for key, value in sorted(state.optimizer.state.get(p, {}).items()):

@@ -168,11 +168,6 @@ def _validate_stages(m: ModelConfig, p: ParallelismConfig) -> None:
                 f"parallelism.pp_layers={list(p.pp_layers)} must be {p.pp} positive layer counts "
                 f"summing to num_hidden_layers={m.num_hidden_layers}"
             )
-    if m.tie_word_embeddings and p.pp > 1:
-        raise RecipeError(
-            f"model.tie_word_embeddings=true with parallelism.pp={p.pp}: the embedding and the head "
-            f"live on different stages; use tie_word_embeddings: false or pp: 1"
-        )
     if p.ep > 1 and m.num_local_experts == 0:
         raise RecipeError(f"parallelism.ep={p.ep}: the model has no experts (model.num_local_experts=0); valid ep: 1")
     if p.ep > 1 and m.num_local_experts % p.ep:

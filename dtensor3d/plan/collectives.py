@@ -27,8 +27,10 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * FP32
     blocks = 1 if moe else 2  # attention, and the dense feed-forward (experts are replicated over tp)
     if not p.sequence_parallel:
-        # Rowwise outputs are all-reduced forward; each colwise input's gradient backward.
-        fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": (3 + 2 * (not moe)) * full_f}
+        # Rowwise outputs are all-reduced forward; each colwise input's gradient backward
+        # (tp_linear_async_communication: one summed gradient per q/k/v or gate/up group).
+        colwise = blocks if p.tp_linear_async_communication else 3 + 2 * (not moe)
+        fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": colwise * full_f}
     else:
         fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
         bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
@@ -61,6 +63,10 @@ def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
         return {k: n for k, n in fwd.items() if k != "all_gather" or recipe.parallelism.sequence_parallel}
     last = "reduce_scatter" if recipe.parallelism.sequence_parallel else "all_reduce"
     return {**fwd, last: fwd[last] - z.tokens * z.hidden * z.compute}
+
+
+def _sum(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return _kinds(**{k: a.get(k, 0) + b.get(k, 0) for k in KINDS})
 
 
 def _add(total: dict, part: dict, times: int = 1) -> None:
@@ -183,6 +189,19 @@ def ep_bytes(recipe, layers: list[int]) -> dict[str, int]:
     return _kinds(all_to_all=(forwards * fwd + bwd) * _moe_layers(recipe, layers) * recipe.num_microbatches)
 
 
+def tied_bytes(recipe, part: Part, units: dict[str, dict]) -> dict[str, int]:
+    """Per step: a tied model split into pipeline stages sums the gradient of its two copies
+    of the embedding (parallel/tied.py): one all-reduce of this rank's piece over the
+    embedding group, on the first- and the last-stage rank when they differ (none under a V
+    schedule, where one rank holds both)."""
+    p, m = recipe.parallelism, recipe.model
+    if not (m.tie_word_embeddings and p.pp_enabled) or part.first == part.last:
+        return _kinds()
+    shape = param_table(recipe)["model.embed_tokens.weight"]["shape"]
+    group = units["root"]["group"] if p.fsdp_enabled else 1
+    return _kinds(all_reduce=FP32 * shard_numel(shape, group))
+
+
 def world_bytes(recipe) -> dict[str, int]:
     """The step's world all-reduce: loss, squared grad norm, aux loss, tokens per expert of
     each MoE layer; with balancing on, a second one of each MoE layer's bias [-min, max]."""
@@ -204,7 +223,7 @@ def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, i
             {
                 "tp": tp_bytes(recipe, part),
                 "dp": dp_bytes(recipe, units),
-                "pp": pp_bytes(recipe, part),
+                "pp": _sum(pp_bytes(recipe, part), tied_bytes(recipe, part, units)),
                 "cp": cp_bytes(recipe, part.layers, backend),
                 "ep": ep_bytes(recipe, part.layers),
                 "world": world_bytes(recipe),

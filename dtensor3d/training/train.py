@@ -29,7 +29,7 @@ from ..datasets.sources import epoch_note, make_source
 from ..errors import UserError, is_rank0
 from ..mesh import build_mesh, init_distributed, mesh_coords, set_timeout
 from ..models import materialize
-from ..parallel import context, data, expert, pipeline, tensor
+from ..parallel import context, data, expert, pipeline, tensor, tied
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
@@ -56,6 +56,7 @@ class TrainState:
     loss_fn: LossFn
     params: list[nn.Parameter]  # the trainable parameters, in a fixed order
     norm_weights: list[float]  # 1 / replication of each parameter, for the global grad norm
+    tied_copies: tied.TiedGrads | None = None  # a tied embedding split over pipeline stages (parallel/tied.py)
     step: int = 0
     compile_reported: bool = False  # training.compile: the compile time was printed (after the first step)
     loss_rows: list[torch.Tensor] | None = None  # a data mixture: each row's [loss sum, tokens] (make_loss_fn)
@@ -107,9 +108,11 @@ def setup(recipe: Recipe) -> TrainState:
     loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length, loss_rows)
     schedule = pipeline.build_schedule(parts, mesh, device, p, recipe.num_microbatches, loss_fn)
     optimizer = build_optimizer([model], recipe.optimizer)
-    params = [q for q in model.parameters() if q.requires_grad]
-    weights = [1.0 / replication(q, dist.get_world_size(), p.pp) for q in params]
-    state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, weights)
+    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    params = [q for _, q in named]
+    share = [tied.norm_share(recipe, model.cfg, n) / replication(q, dist.get_world_size(), p.pp) for n, q in named]
+    state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, share)
+    state.tied_copies = tied.tied_grads(recipe, model, mesh)
     if loss_rows is not None:  # the mixture's sources, in make_source's order (Mixture.names)
         state.loss_rows, state.source_names = loss_rows, tuple(s.name for _, s in unique_sources(recipe.data))
     checkpoint.load_at_start(state)  # resume (model, optimizer, step, RNG) or Hugging Face init
@@ -174,6 +177,7 @@ def train_step(
     loss_sum = renormalise(state, forward_backward(state, *batch), loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
+    tied.sync_tied_grads(state.tied_copies)  # a tied embedding's copies on the first and last stage
     expert.sum_tp_grads(state.model, recipe.parallelism, state.mesh)
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
     # squared grad norm (each copy weighted by 1 / its replication) and the MoE statistics.

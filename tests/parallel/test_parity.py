@@ -20,6 +20,8 @@ from helpers import (
     ROOT,
     SAVES_AT_3_AND_6,
     SAVES_AT_5_AND_10,
+    TIED_DP2_TP2,
+    TIED_TP2_PP2,
     assert_parity,
     check_comm,
     check_layout,
@@ -40,13 +42,25 @@ CONFIGS = {
     "tp4": ["parallelism.tp=4", "parallelism.tp_mode=ALL_REDUCE"],
     "pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_engine=1f1b"],
     "pp2_afab": ["parallelism.pp=2", "parallelism.pp_engine=afab"],
-    "pp4_1f1b_8mb": ["parallelism.pp=4", "training.micro_batch_size=1"],
-    "tp2_pp2": ["parallelism.tp=2", "parallelism.pp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    # pp 4 with tied embeddings: the embedding group is a 2-rank group of stages 0 and 3
+    "pp4_1f1b_8mb_tied_embeddings": [
+        "parallelism.pp=4",
+        "training.micro_batch_size=1",
+        "model.tie_word_embeddings=true",
+    ],
+    # tp 2 x pp 2 with tied embeddings: a copy on each stage, their gradients summed every step.
+    "tp2_pp2_tied_embeddings": [*TIED_TP2_PP2, "parallelism.tp_mode=REDUCE_SCATTER"],
     "dp2_pp2": ["parallelism.dp=2", "parallelism.pp=2"],
     "dp2_tp2_pp2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"],
     # dp 2 x tp 2 runs with recompute and with tied embeddings (no plain dp2_tp2 run: suite time).
     "dp2_tp2_recompute": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute_layer=true"],
-    "dp2_tp2_tied_embeddings": ["parallelism.dp=2", "parallelism.tp=2", "model.tie_word_embeddings=true"],
+    "dp2_tp2_tied_embeddings": TIED_DP2_TP2,
+    # tp_linear_async_communication under sequence parallelism at dp 2 x tp 2 (ALL_REDUCE:
+    # the 3d recipe's run below; tp 2 alone, both modes: test_async_tp).
+    "dp2_tp2_sp_async": [
+        *("parallelism.dp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
+        "parallelism.tp_linear_async_communication=true",
+    ],
     # Context parallelism (nanotron's key and the short alias).
     "cp2": ["parallelism.context_parallel_size=2"],
     "cp4": ["parallelism.cp=4"],
@@ -92,7 +106,12 @@ CONFIGS = {
 
 # Configurations whose run test_checkpoint also uses (conftest.shared_run): the same run, saving
 # checkpoints as it goes (saving leaves training bitwise unchanged: test_checkpoint).
-SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10, "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6}
+SHARED = {
+    "dp2_tp2_pp2": SAVES_AT_5_AND_10,
+    "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6,
+    "tp2_pp2_tied_embeddings": SAVES_AT_3_AND_6,
+    "dp2_tp2_tied_embeddings": SAVES_AT_3_AND_6,
+}
 LONG = {"dp2_tp2_pp2"}  # keeps the recipe's 10 steps (its checkpoints at 5 and 10)
 assert CONFIGS["dp2_tp2_pp2"] == MESH_822
 
@@ -125,8 +144,8 @@ def launch(recipe: str, overrides: list[str]) -> subprocess.CompletedProcess:
 def test_parity_3d_recipe(tmp_path, record_property):
     """`bash launch.sh recipes/3d.yaml` itself (dp4 x pp2 x tp2, 16 ranks; 6 steps instead of
     30) against its 1-process run. The same run shows the README's outputs (metrics.jsonl's
-    fields, the resolved recipe.yaml, loss.svg, one console line per step) and that
-    tp_linear_async_communication is accepted, warned about on CPU and changes nothing."""
+    fields, the resolved recipe.yaml, loss.svg, one console line per step), with
+    tp_linear_async_communication on (its ALL_REDUCE path at dp 4 x pp 2 x tp 2)."""
     recipe = str(ROOT / "recipes" / "3d.yaml")
     # eval_every 5: the validation loss at steps 5 and 6, which assert_parity compares too.
     common = ["training.steps=6", "training.device=cpu", "training.eval_every=5", "training.eval_batches=1"]
@@ -139,7 +158,6 @@ def test_parity_3d_recipe(tmp_path, record_property):
     got = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for key, rel in assert_parity(got, ref, scheduled_lrs(recipe, common)).items():
         record_property(f"max_rel_{key}", rel)
-    assert "tp_linear_async_communication has no effect on CPU" in proc.stderr, proc.stderr[-3000:]
     check_outputs(run, got, proc.stdout, load_recipe(recipe, given))
 
 

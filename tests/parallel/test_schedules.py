@@ -21,6 +21,11 @@ MESHES = {"pp2": ["parallelism.pp=2"], "pp2_dp2_tp2": ["parallelism.pp=2", "para
 def test_schedule_parity(engine, mesh, reference, shared_run, record_property):
     # 6 steps; microbatches of 1 (dualpipev at pp 2 needs 4 microbatches per dp rank)
     overrides = short([*MESHES[mesh], f"parallelism.pp_engine={engine}"], keep=("training.micro_batch_size",))
+    if (engine, mesh) in (("zbv", "pp2_dp2_tp2"), ("interleaved_1f1b", "pp2")):
+        # tied embeddings: under zbv rank 0 holds the first stage and the last, a copy of the
+        # matrix in each (FSDP- and tp-sharded), their gradients summed there with no
+        # collective; interleaved puts them on ranks 0 and 1 (summed over the pp group)
+        overrides.append("model.tie_word_embeddings=true")
     world = 2 if mesh == "pp2" else 8
     got, root = shared_run(world, [*overrides, "logging.layout=true"])
     # Each rank holds the parameters of its stages (schedule_model.rank_stages) and hands each
