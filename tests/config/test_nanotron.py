@@ -345,8 +345,9 @@ def test_config_tiny_llama_as_published_is_refused_only_for_its_hub_dataset():
 
 def test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages(tmp_path):
     """nanotron's config_tiny_llama, its two stages on prepared directories (web, then web 1 :
-    math 3 from step 3), 4 steps, at dp 2 x tp 2 (its pp 2 with tie_word_embeddings is refused at
-    the door: embedding and head on two stages): every step's lr is the formula's (decay_steps 13 past the run:
+    math 3 from step 3), 4 steps, at dp 2 x tp 2 (at its pp 2, micro_batch_size 2 x
+    batch_accumulation_per_replica 1 gives each dp rank one microbatch, fewer than pp: refused
+    at the door for 1F1B): every step's lr is the formula's (decay_steps 13 past the run:
     one warning line), and each stage's sources and shares are in metrics.jsonl."""
     from helpers import prepare_words
 
