@@ -77,6 +77,7 @@ QUICK_FILES = {
     "test_moe.py",
     "test_context.py",
     "test_data.py",
+    "test_mixture.py",
     "test_checkpoint_slices.py",
     "test_nanotron.py",
     "test_families.py",
@@ -102,6 +103,7 @@ SLOW_IN_QUICK_FILES = {
     "test_init_from_hf_gathers_nothing",
     "test_trains_like_the_native_recipe_at_world_1",
     "test_trains_like_the_native_recipe_on_tp2",
+    "test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages",
     "test_async_tp_matches_the_key_off_and_overlaps",
     "test_document_masking_parity_across_meshes",
 }

@@ -364,6 +364,28 @@ def check_comm(run_dir: Path, recipe) -> None:
         assert got == merged, (f.name, rank["coords"], got, merged)
 
 
+# ---------------------------------------------------------------- prepared sources of distinct documents
+def prepare_words(root: Path, name: str, documents: int, seed: int, val_fraction: float = 0.25, tokenizer="byte"):
+    """A prepared directory root/name of `documents` byte-tokenized documents, each ~600 random
+    lowercase letters and spaces (seeded by `seed` and the document): no 32-byte run of one
+    document is in another, so a window shows which document (and split) it was read from."""
+    import random
+
+    from dtensor3d.__main__ import main
+
+    text_dir = root / f"{name}.txt"
+    text_dir.mkdir(parents=True)
+    for d in range(documents):
+        rng = random.Random(seed * 10_000 + d)
+        words = [
+            "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(100)
+        ]
+        (text_dir / f"{d:03d}.txt").write_text(" ".join(words) + "\n")
+    args = ["prepare-data", str(text_dir), "--out", str(root / name), "--tokenizer", tokenizer]
+    assert main([*args, "--val-fraction", str(val_fraction), "--no-progress"]) == 0
+    return root / name
+
+
 # The tiny Hugging Face Llama the interop tests build (Mixtral adds its expert fields to it).
 TINY_HF_LLAMA = dict(
     vocab_size=256,

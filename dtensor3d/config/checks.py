@@ -7,6 +7,7 @@ import importlib.util
 import math
 
 from ..errors import RecipeError
+from .data_sources import mixture_problem
 from .families import FAMILIES, rope_problem
 from .schema import POSITIVE, V_SCHEDULES, ModelConfig, OptimizerConfig, ParallelismConfig, Recipe
 
@@ -315,8 +316,14 @@ def _validate_decay(o: OptimizerConfig, steps: int) -> None:
 
 def _validate_rest(recipe: Recipe) -> None:
     """Data, logging, the seed, checkpoints and evaluation."""
-    if recipe.data.kind == "tokens" and not recipe.data.path:
-        raise RecipeError("data.path is required with data.kind 'tokens'; give the path of a token file")
+    problem = mixture_problem(recipe.data)
+    if problem:
+        raise RecipeError(problem)
+    if recipe.data.kind == "tokens" and not recipe.data.path and not recipe.data.sources and not recipe.data.stages:
+        raise RecipeError(
+            "data.path is required with data.kind 'tokens'; give the path of a token file or prepared directory "
+            "(or data.sources)"
+        )
     if recipe.data.kind == "synthetic" and recipe.data.path:
         raise RecipeError(
             f"data.path={recipe.data.path!r} is given but data.kind is 'synthetic', which reads no file; "
