@@ -10,8 +10,8 @@ it; relaunched), SIGSTOP of a rank for longer than training.timeout_s (a hang: t
 the agent restarts), SIGTERM to the launcher (preemption: save, exit 0; relaunched), a full disk
 during a save (RLIMIT_FSIZE set on the ranks: the save fails, the job ends with status 2, the
 previous checkpoint is intact; relaunched), and a corrupt newest checkpoint (a byte flipped in a
-tensor file, then the launcher killed: the relaunch's door sets the step aside and resumes from
-the one before).
+tensor file, then the launcher killed: with `checkpoint.on_damaged: previous` the relaunch's door
+sets the step aside and resumes from the one before).
 
 At the end: every step appears exactly once in metrics.jsonl, and the losses and grad norms equal
 the uninterrupted run's bitwise. Prints one line:
@@ -48,6 +48,7 @@ def recipe_args(steps: int, work: Path, name: str) -> list[str]:
         f"training.timeout_s={TIMEOUT_S}",
         "checkpoint.interval=2",
         "checkpoint.keep=3",
+        "checkpoint.on_damaged=previous",
         f"checkpoint.dir={work / name / 'ckpt'}",
         f"logging.run_dir={work / name / 'run'}",
     ]

@@ -65,7 +65,7 @@ def check_at_door(recipe, hashes: bool, lock: bool = True) -> None:
             record = check_checkpoint(step_dir, recipe.model, hashes)
             break
         except DamagedCheckpoint as e:
-            if not (hashes and c.resume == "auto"):  # only launch.sh's door (one process a node) sets it aside
+            if not (hashes and c.resume == "auto" and c.on_damaged == "previous"):  # launch.sh's door only
                 raise
             aside = set_aside(step_dir)
             step_dir, more = resume_target(recipe)

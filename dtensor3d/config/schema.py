@@ -185,6 +185,11 @@ class CheckpointConfig:
     init_from_hf: str | None = knob(None, "a Hugging Face directory to start from when there is nothing to resume")
     preempt_timeout_s: float = knob(120.0, "SIGTERM/SIGINT: stop, save and exit within this time")
     async_save: bool = knob(False, "write checkpoints in the background while training goes on", aliases=("async",))
+    on_damaged: Literal["refuse", "previous"] = knob(
+        "refuse",
+        "a damaged newest step at launch (a file missing, truncated or corrupt): refuse (one error line), or "
+        "previous: set it aside as step_N.damaged and resume from the step before",
+    )
 
 
 @dataclass(frozen=True)
