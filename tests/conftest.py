@@ -72,6 +72,8 @@ QUICK_FILES = {
     "test_nanotron.py",
     "test_families.py",
     "test_family_recipes.py",
+    "test_init.py",
+    "test_matrix.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {
@@ -90,6 +92,8 @@ SLOW_IN_QUICK_FILES = {
     "test_init_from_hf_gathers_nothing",
     "test_trains_like_the_native_recipe_at_world_1",
     "test_trains_like_the_native_recipe_on_tp2",
+    "test_init_bitwise_across_meshes",
+    "test_matrix_parity",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 

@@ -122,17 +122,37 @@ MOE_ONLY = "{} applies only to a model with experts"
 RULES = (
     Rule(f"at most {MAX_WORLD} ranks", ("dp", "cp", "ep", "tp", "pp"), lambda r: world(r) <= MAX_WORLD),
     Rule(MOE_ONLY.format("ep"), ("ep", "model"), lambda r: r["ep"] == "1" or r["model"] == "moe"),
-    Rule(MOE_ONLY.format("a shared expert"), ("shared_expert", "model"), lambda r: r["shared_expert"] == "none" or r["model"] == "moe"),
-    Rule(MOE_ONLY.format("moe_layers"), ("moe_layers", "model"), lambda r: r["moe_layers"] == "all" or r["model"] == "moe"),
-    Rule("dp_mode replicate / hybrid needs dp ranks", ("dp_mode", "dp"), lambda r: r["dp_mode"] == "shard" or r["dp"] != "1"),
+    Rule(
+        MOE_ONLY.format("a shared expert"),
+        ("shared_expert", "model"),
+        lambda r: r["shared_expert"] == "none" or r["model"] == "moe",
+    ),
+    Rule(
+        MOE_ONLY.format("moe_layers"),
+        ("moe_layers", "model"),
+        lambda r: r["moe_layers"] == "all" or r["model"] == "moe",
+    ),
+    Rule(
+        "dp_mode replicate / hybrid needs dp ranks",
+        ("dp_mode", "dp"),
+        lambda r: r["dp_mode"] == "shard" or r["dp"] != "1",
+    ),
     Rule("hybrid: dp 4 in FSDP groups of 2", ("dp_mode", "dp"), lambda r: r["dp_mode"] != "hybrid" or r["dp"] == "4"),
-    Rule("tied embeddings: the embedding and the head on one stage", ("tied", "pp"), lambda r: r["tied"] == "untied" or r["pp"] == "1"),
+    Rule(
+        "tied embeddings: the embedding and the head on one stage",
+        ("tied", "pp"),
+        lambda r: r["tied"] == "untied" or r["pp"] == "1",
+    ),
     Rule(
         "the V schedules (zbv, dualpipev) recompute whole layers or none",
         ("pp", "recompute"),
         lambda r: r["pp"] not in ("zbv", "dualpipev") or r["recompute"] != "selective",
     ),
-    Rule("a whole number of microbatches per batch rank", ("dp", "ep", "pp"), lambda r: microbatches(r) == int(microbatches(r)) >= 1),
+    Rule(
+        "a whole number of microbatches per batch rank",
+        ("dp", "ep", "pp"),
+        lambda r: microbatches(r) == int(microbatches(r)) >= 1,
+    ),
     Rule(
         "a schedule needs microbatches: pp of them, 2 x pp for dualpipev",
         ("dp", "ep", "pp"),
