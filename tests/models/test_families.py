@@ -50,6 +50,8 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}, "q_proj.bias"),
     "qwen3": ("Qwen3Config", dict(head_dim=24), "k_norm.weight"),
     "mistral": ("MistralConfig", dict(sliding_window=None), "o_proj.weight"),
+    # The head tied to the embedding (Qwen2's small models ship so): one tensor in the file.
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True), "q_proj.bias"),
 }
 
 
@@ -63,7 +65,7 @@ def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     config_cls, extra, must_have = FAMILIES[request.param]
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**BASE, **extra))
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**{**BASE, **extra}))
     hf = hf.float().eval()
     names = [n for n, _ in hf.named_parameters()]
     assert any(n.endswith(must_have) for n in names), names
@@ -95,9 +97,17 @@ def test_export_loads_in_transformers_in_the_family(family):
     )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(back) is type(hf)
+    tied = hf.config.tie_word_embeddings
+    assert config.get("tie_word_embeddings", False) == tied
+    shared = back.get_output_embeddings().weight.data_ptr() == back.get_input_embeddings().weight.data_ptr()
+    assert shared == tied
     ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(2))
+    # ...and import-hf of what transformers saved back: the round trip closes.
+    back.save_pretrained(root / "resaved")
+    assert main(["import-hf", str(root / "resaved"), str(root / "ck2")]) == 0
     with torch.no_grad():
         assert relative(back.eval()(ids).logits, hf(ids).logits) <= 1e-5
+        assert relative(load_model(root / "ck2")(ids), hf(ids).logits) <= 1e-5
 
 
 def test_greedy_generate_equals_transformers(family):
