@@ -12,7 +12,6 @@ whether it changes the 1-process reference) and, if some combinations cannot run
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -246,8 +245,3 @@ def name(run: dict[str, str]) -> str:
     """A run's test id: the options that are not at their first value."""
     parts = [f"{k}={v}" for k, v in run.items() if v != next(iter(BY_NAME[k].values))]
     return "-".join(parts) or "defaults"
-
-
-def rotating_subset(runs: list[dict[str, str]], seed: int, k: int) -> list[dict[str, str]]:
-    """k of the runs, chosen by the seed (CI rotates the seed; the full matrix: pytest -m matrix)."""
-    return random.Random(seed).sample(runs, min(k, len(runs)))

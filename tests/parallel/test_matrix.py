@@ -21,7 +21,9 @@ RUNS = covering(SEED)
 COMPILE_TOL = 1e-4  # torch.compile against eager (tests/training/test_speed.py)
 # bf16 against the 1-process bf16 run: both round to 8 mantissa bits, in other orders and at
 # other points (FSDP2's cast of the gathered weights vs autocast's of each matmul's inputs).
-BF16_TOL = 1e-3
+# The bars of tests/models/test_reference.py's two bf16 implementations; measured here:
+# qwen3 dp2 replicate x tp2 sequence parallel x pp2 1f1b, loss 4e-5, grad_norm 1.2e-3.
+BF16_TOL = {"loss": 2e-4, "grad_norm": 3e-3, "aux_loss": 3e-3}
 
 
 def recipe_of(run: dict[str, str]) -> str:
@@ -59,7 +61,7 @@ def test_each_run_passes_the_door(run):
     assert recipe_of(run) == PARITY or recipe.model.num_local_experts > 0
 
 
-def tolerance(run: dict[str, str]) -> float:
+def tolerance(run: dict[str, str]) -> float | dict[str, float]:
     if run["dtype"] == "bfloat16":
         return BF16_TOL
     return COMPILE_TOL if run["compile"] == "compiled" else 1e-5
