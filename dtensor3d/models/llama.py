@@ -79,7 +79,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if self.recompute != "none" and torch.is_grad_enabled() and cache is None:
-            out = checkpoint(self._forward, x, use_reentrant=False, context_fn=recompute_context(self.recompute))
+            # full: torch's default context, not passed (torch.compile refuses a context_fn
+            # it cannot trace, torch's own noop_context_fn included)
+            extra = {"context_fn": recompute_context(self.recompute)} if self.recompute == "selective" else {}
+            out = checkpoint(self._forward, x, use_reentrant=False, **extra)
         else:
             out = self._forward(x, cache)
         if hasattr(self, "block_sparse_moe"):
