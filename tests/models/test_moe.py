@@ -45,8 +45,8 @@ def test_shared_expert_matches_a_per_token_reference():
     """A shared expert (README: model.shared_expert_intermediate_size) beside top-2 routing:
     every token's output is its routed experts' weighted sum plus the shared SwiGLU of the
     token, down(silu(gate x) * up x), with the shared expert's own width. Written token by
-    token in plain PyTorch from those words; the forward output and every parameter's
-    gradient (of a fixed random projection of the output) match."""
+    token in plain PyTorch from those words; the forward output, every parameter's gradient
+    and the input's (of a fixed random projection of the output) match."""
     cfg = SimpleNamespace(**{**vars(CFG), "shared_expert_intermediate_size": 12})
     torch.manual_seed(3)
     moe = MoE(cfg)
@@ -54,9 +54,10 @@ def test_shared_expert_matches_a_per_token_reference():
         torch.nn.init.normal_(p, std=0.3)
     params = dict(moe.named_parameters())
     assert params["shared_expert.gate_proj.weight"].shape == (12, 16)
-    x, probe = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    x, probe = torch.randn(2, 5, 16, requires_grad=True), torch.randn(2, 5, 16)
     (moe(x) * probe).sum().backward()
     ours = {n: p.grad.clone() for n, p in params.items()}
+    ours["input"], x.grad = x.grad.clone(), None
     ref = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
     outs = []
     for xt in x.reshape(-1, 16):
@@ -73,6 +74,7 @@ def test_shared_expert_matches_a_per_token_reference():
     (expected * probe).sum().backward()
     for n in params:
         torch.testing.assert_close(ours[n], ref[n].grad, rtol=1e-4, atol=1e-5, msg=n)
+    torch.testing.assert_close(ours["input"], x.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_balance_loss_is_mixtrals():
