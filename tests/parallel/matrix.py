@@ -109,17 +109,19 @@ def microbatches(run: dict[str, str]) -> float:
 
 @dataclass(frozen=True)
 class Rule:
-    """A combination the trainer cannot run (README / the door's refusals); `reads`: the options
-    it looks at (it is checked once they all have values)."""
+    """A combination the matrix does not run; `reads`: the options it looks at (it is checked
+    once they all have values); `door`: the trainer refuses it at the door (README), else
+    it is the table's own choice (the machine's 8 ranks, a meaningful dp_mode)."""
 
     why: str
     reads: tuple[str, ...]
     ok: Callable[[dict[str, str]], bool]
+    door: bool = True
 
 
 MOE_ONLY = "{} applies only to a model with experts"
 RULES = (
-    Rule(f"at most {MAX_WORLD} ranks", ("dp", "cp", "ep", "tp", "pp"), lambda r: world(r) <= MAX_WORLD),
+    Rule(f"at most {MAX_WORLD} ranks", ("dp", "cp", "ep", "tp", "pp"), lambda r: world(r) <= MAX_WORLD, door=False),
     Rule(MOE_ONLY.format("ep"), ("ep", "model"), lambda r: r["ep"] == "1" or r["model"] == "moe"),
     Rule(
         MOE_ONLY.format("a shared expert"),
@@ -135,8 +137,14 @@ RULES = (
         "dp_mode replicate / hybrid needs dp ranks",
         ("dp_mode", "dp"),
         lambda r: r["dp_mode"] == "shard" or r["dp"] != "1",
+        door=False,
     ),
-    Rule("hybrid: dp 4 in FSDP groups of 2", ("dp_mode", "dp"), lambda r: r["dp_mode"] != "hybrid" or r["dp"] == "4"),
+    Rule(
+        "hybrid: dp 4 in FSDP groups of 2",
+        ("dp_mode", "dp"),
+        lambda r: r["dp_mode"] != "hybrid" or r["dp"] == "4",
+        door=False,
+    ),
     Rule(
         "tied embeddings: the embedding and the head on one stage",
         ("tied", "pp"),

@@ -12,9 +12,22 @@ import itertools
 
 import pytest
 from helpers import MOE, PARITY, assert_parity, check_comm, check_layout, scheduled_lrs, train_metrics
-from matrix import OPTIONS, allowed, as_run, covering, feasible, name, overrides, pairs_of, reference_overrides, world
+from matrix import (
+    OPTIONS,
+    RULES,
+    allowed,
+    as_run,
+    covering,
+    feasible,
+    name,
+    overrides,
+    pairs_of,
+    reference_overrides,
+    world,
+)
 
 from dtensor3d.config.load import load_recipe
+from dtensor3d.errors import RecipeError
 
 SEED = 0  # the covering array's seed (a different seed: another array, as good)
 RUNS = covering(SEED)
@@ -59,6 +72,21 @@ def test_each_run_passes_the_door(run):
     recipe = load_recipe(recipe_of(run), overrides(run))
     assert recipe.parallelism.world_size == world(run) <= 8
     assert recipe_of(run) == PARITY or recipe.model.num_local_experts > 0
+
+
+@pytest.mark.parametrize("rule", [r for r in RULES if r.door], ids=lambda r: r.why)
+def test_the_door_refuses_what_a_rule_refuses(rule):
+    """For each rule the trainer enforces: a run of the matrix with one option changed so that
+    this rule alone fails is refused at the door (the table's rules are the trainer's)."""
+    for run in RUNS:
+        for option in OPTIONS:
+            for value in option.values:
+                bad = {**run, option.name: value}
+                if [r for r in RULES if not r.ok(bad)] == [rule]:
+                    with pytest.raises(RecipeError):
+                        load_recipe(recipe_of(bad), overrides(bad))
+                    return
+    pytest.fail(f"no run one option away breaks only {rule.why!r}")
 
 
 def tolerance(run: dict[str, str]) -> float | dict[str, float]:
