@@ -244,9 +244,13 @@ def overrides(run: dict[str, str]) -> list[str]:
 
 
 def reference_overrides(run: dict[str, str]) -> list[str]:
-    """The 1-process run it is compared with: the same model options, no parallelism."""
+    """The 1-process run it is compared with: the same model options, no parallelism. The
+    microbatch size is the run's for a model with experts (the balance loss is Mixtral's per
+    microbatch, so it depends on how many sequences a microbatch holds); a dense model's loss
+    is a sum over the global batch's tokens whatever the microbatches, so its reference keeps 2."""
     model = [o for opt in OPTIONS if opt.model for o in opt.values[run[opt.name]]]
-    return ["training.steps=6", "training.micro_batch_size=2", *model]
+    mb = micro_batch(run) if run["model"] == "moe" else 2
+    return ["training.steps=6", f"training.micro_batch_size={mb}", *model]
 
 
 def name(run: dict[str, str]) -> str:
