@@ -33,6 +33,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_stages(m, p)
     _validate_batch(recipe)
     _validate_schedule(recipe)
+    _validate_recompute(recipe)
     _validate_optimizer(o)
     _validate_decay(o, recipe.training.steps)
     _validate_rest(recipe)
@@ -177,6 +178,21 @@ def _validate_batch(recipe: Recipe) -> None:
         raise RecipeError(
             f"training.sequence_length={t.sequence_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}"
+        )
+
+
+def _validate_recompute(recipe: Recipe) -> None:
+    """Selective recomputation of a layer with experts under torch.compile: the layer is
+    checkpointed around its compiled attention (routing is not compiled), and the matmul
+    outputs selective checkpointing saves are buffers inductor's code writes again, which
+    torch detects in the backward ('Tensor cached during selective activation checkpoint
+    has been mutated', every rank; found by tests/parallel/test_matrix.py)."""
+    p, t = recipe.parallelism, recipe.training
+    if p.recompute == "selective" and t.compile and recipe.model.num_local_experts:
+        raise RecipeError(
+            "parallelism.recompute=selective with training.compile=true does not work for a model with "
+            "experts (the compiled attention overwrites the outputs it saves); valid: recompute none or "
+            "full, or training.compile: false"
         )
 
 

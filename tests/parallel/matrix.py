@@ -156,6 +156,11 @@ RULES = (
         lambda r: r["pp"] not in ("zbv", "dualpipev") or r["recompute"] != "selective",
     ),
     Rule(
+        "experts: no selective recompute under compile (its saved matmul outputs get overwritten)",
+        ("model", "recompute", "compile"),
+        lambda r: not (r["model"] == "moe" and r["recompute"] == "selective" and r["compile"] == "compiled"),
+    ),
+    Rule(
         "a whole number of microbatches per batch rank",
         ("dp", "ep", "pp"),
         lambda r: microbatches(r) == int(microbatches(r)) >= 1,
