@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--simulate", action="store_true", help="build one rank's model on meta under a fake group")
     plan.add_argument("--rank", type=int, default=None, help="the rank --simulate builds (0)")
     check = sub.add_parser("validate", help="check a recipe; print the processes per node")
-    check.add_argument("--nnodes", type=int, default=1)
+    check.add_argument("--nnodes", default="1", help="N, or an elastic range MIN:MAX (launch.sh's NNODES)")
+    check.add_argument("--nproc-per-node", type=int, default=0, help="processes per node (NPROC_PER_NODE; 0: unset)")
     check.add_argument("--explain", metavar="KEY", help="print a recipe field's doc, type, default and valid values")
     for p in (train, plan, check):
         p.add_argument("recipe", nargs="?" if p is check else None, help="path of a YAML recipe")
@@ -107,19 +108,19 @@ def _validate(args) -> None:
         return
     if args.recipe is None:
         raise RecipeError("validate: give a RECIPE (a YAML recipe), or --explain section.key")
-    recipe = load_recipe(args.recipe, args.overrides)
-    world = recipe.parallelism.world_size
-    if args.nnodes < 1 or world % args.nnodes:
-        raise RecipeError(
-            f"NNODES={args.nnodes}: the world size {world} is not divisible by it; valid: a divisor of {world}"
-        )
-    check_machine(recipe, local_processes=world // args.nnodes)
+    from .config.load import dp_is_auto, read_recipe_raw
+    from .launch.elastic import check_node_range
+
+    auto = dp_is_auto(read_recipe_raw(args.recipe, args.overrides))
+    load = lambda world: load_recipe(args.recipe, args.overrides, world_size=world)  # noqa: E731
+    recipe, nproc = check_node_range(load, auto, args.nnodes, args.nproc_per_node)
+    check_machine(recipe, local_processes=nproc)
     from .datasets.door import check_data_at_door
 
     # The data first: refused data leaves nothing behind (the checkpoint check creates checkpoint.dir).
     check_data_at_door(recipe, hashes=True)  # data.path: files, sizes, sha256, ids against vocab_size
     _check_checkpoints(recipe, hashes=True)
-    print(world // args.nnodes)
+    print(nproc)
 
 
 def _train(args) -> None:
@@ -128,7 +129,7 @@ def _train(args) -> None:
 
         die_with_parent()
     world = _env_int("WORLD_SIZE")
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides, world_size=world)
     if world is None and recipe.parallelism.world_size > 1:
         raise RecipeError(
             f"parallelism: the recipe needs {recipe.parallelism.world_size} processes and "

@@ -30,6 +30,7 @@ class EnvError(UserError):
 
 
 SUPERVISED = "DTENSOR3D_SUPERVISED"  # set for the workers by launch/supervise.py
+RESIZE_CAUSE = "DTENSOR3D_RESIZE_CAUSE"  # set by the agent before an elastic restart: "node 1 lost"
 
 
 def is_rank0() -> bool:

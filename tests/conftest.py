@@ -1,5 +1,6 @@
 """The tests' fixtures (runs shared within a session), the two tiers' table and the
-combination matrix's rotating subset; the helpers themselves are in tests/helpers.py."""
+combination matrix's rotating subset; the helpers themselves are in tests/helpers.py (real
+launch.sh jobs: tests/jobs.py)."""
 
 import datetime
 import os
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers import PARITY, train_metrics
+from jobs import Job
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +79,7 @@ QUICK_FILES = {
     "test_family_recipes.py",
     "test_init.py",
     "test_matrix.py",
+    "test_documents.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {
@@ -97,6 +100,7 @@ SLOW_IN_QUICK_FILES = {
     "test_trains_like_the_native_recipe_on_tp2",
     "test_init_bitwise_across_meshes",
     "test_matrix_parity",
+    "test_document_masking_parity_across_meshes",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 
@@ -137,3 +141,17 @@ def keep_matrix_subset(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [i for i in items if i not in dropped]
+
+
+@pytest.fixture
+def jobs():
+    """Job(...) for a test; those still running at its end are stopped (Job.stop)."""
+    started = []
+
+    def start(*args, **kwargs) -> Job:
+        started.append(Job(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.stop()

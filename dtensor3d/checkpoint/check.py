@@ -168,17 +168,21 @@ TRAJECTORY_KEYS = (
     ("data", "kind"),
     ("data", "path"),
     ("data", "seed"),  # the sample order; null means training.seed, compared as the seed it stands for
+    ("data", "document_masking"),  # what each token attends to; absent (older checkpoints) means false
 )
 # data.validation is not among them: it changes which windows val_loss reads, never the training samples.
 
 
 def _trajectory_value(sections, section: str, key: str):
-    """sections.section.key of a saved recipe dict or a Recipe; data.seed null -> training.seed."""
+    """sections.section.key of a saved recipe dict or a Recipe; data.seed null -> training.seed,
+    data.document_masking absent -> false."""
 
     def get(s: str, k: str):
         return (sections.get(s) or {}).get(k) if isinstance(sections, dict) else getattr(getattr(sections, s), k)
 
     value = get(section, key)
+    if (section, key) == ("data", "document_masking"):
+        return bool(value)
     return get("training", "seed") if (section, key) == ("data", "seed") and value is None else value
 
 

@@ -209,6 +209,10 @@ def corrupt(path: str) -> str:
     return f"checkpoint file {path}: sha256 differs from {MANIFEST}'s (the file is corrupt or was changed)"
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A complete step directory whose files are missing, truncated or corrupt (its sha256)."""
+
+
 def check_files(step_dir: str, files: dict, hashes: bool) -> None:
     """Each manifest file is there with its size (and, if `hashes`, its sha256)."""
     for name in sorted(files):
@@ -220,14 +224,14 @@ def check_files(step_dir: str, files: dict, hashes: bool) -> None:
     for name, info in sorted(files.items()):
         path = os.path.join(step_dir, name)
         if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint file {path} is missing (listed in {MANIFEST})")
+            raise DamagedCheckpoint(f"checkpoint file {path} is missing (listed in {MANIFEST})")
         size = os.path.getsize(path)
         if size != info.get("bytes"):
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"checkpoint file {path} has {size} bytes, {MANIFEST} says {info.get('bytes')} (truncated or changed)"
             )
         if hashes and sha256_file(path) != info.get("sha256"):
-            raise CheckpointError(corrupt(path))
+            raise DamagedCheckpoint(corrupt(path))
 
 
 def slice_index(step_tmp: str, file: str) -> dict[str, dict]:

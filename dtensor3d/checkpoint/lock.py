@@ -16,6 +16,7 @@ import time
 from ..errors import CheckpointError
 
 LOCK = "LOCK"
+JOB = "DTENSOR3D_JOB"  # launch.sh, multi-node: the job's rendezvous id and endpoint; its nodes share the lock
 
 
 def _alive(pid: int) -> bool:
@@ -57,11 +58,18 @@ def check_lock(ckpt_dir: str) -> dict | None:
     holder = read_lock(path)
     if holder is None or is_stale(holder):
         return holder
+    if held_by_this_job(holder):
+        return None  # held by this job's rank 0 (another node, or a node coming back to it)
     who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since {holder.get('since', '?')}"
     raise CheckpointError(
         f"checkpoint.dir={ckpt_dir!r} is in use by another run ({who}; {path}); one run at a time writes "
         f"a checkpoint directory: wait for it, use another checkpoint.dir, or delete {path} if that run is gone"
     )
+
+
+def held_by_this_job(holder: dict | None) -> bool:
+    """The lock's holder is a running rank 0 of this multi-node job (launch.sh's DTENSOR3D_JOB)."""
+    return bool(holder and holder.get("job") and holder.get("job") == os.environ.get(JOB))
 
 
 def _create(path: str) -> bool:
@@ -71,6 +79,8 @@ def _create(path: str) -> bool:
     except FileExistsError:
         return False
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if os.environ.get(JOB):
+        holder["job"] = os.environ[JOB]
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(holder, f)
     return True

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..config.lr import keep_curve_advice, lr_at
-from ..errors import CheckpointError, UserError, is_rank0
+from ..errors import RESIZE_CAUSE, CheckpointError, UserError, is_rank0
 from .check import check_checkpoint, check_trajectory
 from .find import resume_target
-from .format import STATE, corrupt, read_manifest, sha256_file
+from .format import STATE, DamagedCheckpoint, corrupt, read_manifest, sha256_file
 from .hf import check_hf_init, load_params
 from .hf_names import HFSlices
-from .lock import check_lock
+from .lock import LOCK, check_lock, held_by_this_job, read_lock
 from .slices import SliceReader, read_into_
 
 
@@ -55,16 +55,43 @@ def check_at_door(recipe, hashes: bool, lock: bool = True) -> None:
         check_dir_writable(c.dir)
         if lock:
             check_lock(c.dir)
+            if held_by_this_job(read_lock(os.path.join(c.dir, LOCK))):
+                return  # a node joining a running job: the job writes there now; its ranks check what they load
     step_dir, warnings = resume_target(recipe)
+    record = None
+    while step_dir:
+        try:
+            record = check_checkpoint(step_dir, recipe.model, hashes)
+            break
+        except DamagedCheckpoint as e:
+            if not (hashes and c.resume == "auto"):  # only launch.sh's door (one process a node) sets it aside
+                raise
+            aside = set_aside(step_dir)
+            step_dir, more = resume_target(recipe)
+            instead = f"resuming from {step_dir}" if step_dir else "no complete step is left: starting fresh"
+            warnings += [f"warning: {e}; set it aside as {aside}; {instead}", *more]
     if is_rank0():
         for line in warnings:
             print(line, file=sys.stderr, flush=True)
-    if step_dir:
-        record = check_checkpoint(step_dir, recipe.model, hashes)
+    if record is not None:
         if "source" not in record:  # an import-hf checkpoint starts a run; it continues none
             check_trajectory(record, recipe, os.path.join(step_dir, STATE))
     elif c.init_from_hf:
         check_hf_init(recipe)
+
+
+def set_aside(step_dir: str) -> str:
+    """Rename a damaged step directory out of the resume's way (kept: nothing on disk is lost)."""
+    base = os.path.normpath(step_dir) + ".damaged"
+    aside, n = base, 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{base}-{n}"
+    try:
+        os.rename(step_dir, aside)
+    except FileNotFoundError:  # another node's door set it aside first
+        pass
+    return aside
 
 
 def load_optimizer(optimizer, model: torch.nn.Module, files: SliceReader) -> None:
@@ -115,6 +142,21 @@ def note_grown_steps(record: dict, recipe) -> None:
     )
 
 
+def resize_line(saved_recipe: dict, recipe, cause: str | None) -> str | None:
+    """`resized: dp 4 -> 2 (node 1 lost), global batch 16 kept, 2 -> 4 microbatches per rank` when the
+    run resumes at another data-parallel size (an elastic job's new world: launch/elastic.py)."""
+    par, tr = saved_recipe.get("parallelism") or {}, saved_recipe.get("training") or {}
+    dp, p = par.get("dp"), recipe.parallelism
+    if dp is None or dp == p.dp:
+        return None
+    saved_micro = tr["global_batch_size"] // (tr["micro_batch_size"] * par.get("ep", 1) * dp)
+    why = f" ({cause})" if cause else ""
+    return (
+        f"resized: dp {dp} -> {p.dp}{why}, global batch {recipe.training.global_batch_size} kept, "
+        f"{saved_micro} -> {recipe.num_microbatches} microbatches per rank"
+    )
+
+
 def resume(state, step_dir: str) -> None:
     """Model, optimizer, step and RNG of `state` from a step directory."""
     record = check_checkpoint(step_dir, state.recipe.model, hashes=False)
@@ -127,6 +169,9 @@ def resume(state, step_dir: str) -> None:
     state.step = int(record["step"])
     if is_rank0():
         note_grown_steps(record, state.recipe)
+        line = resize_line(record.get("recipe") or {}, state.recipe, os.environ.get(RESIZE_CAUSE))
+        if line:
+            print(line, file=sys.stderr, flush=True)
     rng = record.get("rng") or {}
     if "cpu" in rng:
         torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))

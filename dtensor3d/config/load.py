@@ -193,18 +193,60 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return raw
 
 
-def recipe_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), strict: bool = False) -> Recipe:
+def recipe_from_dict(
+    raw: dict[str, Any],
+    overrides: list[str] | tuple[str, ...] = (),
+    strict: bool = False,
+    world_size: int | None = None,
+) -> Recipe:
     """A Recipe from a YAML mapping and key.path=value overrides. `strict` (a user's recipe, not
-    a saved record): settings given that cannot apply to this model are refused too."""
+    a saved record): settings given that cannot apply to this model are refused too.
+    `world_size` resolves `parallelism.dp: auto` (elastic jobs)."""
     raw = {str(k): v for k, v in raw.items()}
     for section in raw:
         if section not in SECTIONS:
             raise RecipeError(f"{section}: unknown section; {_suggest(section, list(SECTIONS))}")
-    raw = _model_from_hf(_apply_overrides(raw, overrides))
+    raw = _resolve_auto_dp(_model_from_hf(_apply_overrides(raw, overrides)), world_size)
     recipe = Recipe(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
     if strict:
         _check_applicable(raw, recipe)
     return recipe
+
+
+AUTO = "auto"
+
+
+def dp_is_auto(raw: dict[str, Any]) -> bool:
+    """`parallelism.dp: auto`: dp is the world size over ep*pp*cp*tp, whatever the world is."""
+    par = raw.get("parallelism")
+    return isinstance(par, dict) and isinstance(par.get("dp"), str) and par["dp"].strip().lower() == AUTO
+
+
+def _resolve_auto_dp(raw: dict[str, Any], world_size: int | None) -> dict[str, Any]:
+    """raw with `parallelism.dp: auto` replaced by world_size / (ep*pp*cp*tp)."""
+    if not dp_is_auto(raw):
+        return raw
+    if world_size is None:
+        raise RecipeError(
+            "parallelism.dp=auto: the data-parallel size comes from the world size, unknown here; launch it "
+            "elastic (NNODES=MIN:MAX and NPROC_PER_NODE with bash launch.sh), give `plan --world N`, or set a number"
+        )
+    others = _build_section("parallelism", {**raw["parallelism"], "dp": 1}).world_size
+    if world_size % others:
+        raise RecipeError(
+            f"parallelism.dp=auto: the world size {world_size} is not divisible by ep*pp*cp*tp = {others}; "
+            f"give a world size that is a multiple of {others}"
+        )
+    return {**raw, "parallelism": {**raw["parallelism"], "dp": world_size // others}}
+
+
+def read_recipe_raw(path: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The recipe file's mapping with the overrides applied, nothing resolved or checked (a
+    nanotron config: its mapping as read; its dp is always a number)."""
+    raw = _read_yaml(path)
+    if nanotron_keys.is_nanotron(raw):
+        return raw
+    return _apply_overrides({str(k): v for k, v in raw.items()}, overrides)
 
 
 def _model_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
@@ -270,7 +312,7 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_si
     if nanotron_keys.is_nanotron(raw):
         recipe, conv = _from_nanotron(raw, overrides)
     else:
-        recipe = recipe_from_dict(raw, overrides, strict=True)
+        recipe = recipe_from_dict(raw, overrides, strict=True, world_size=world_size)
     validate(recipe, world_size)
     _warn(recipe, conv)
     return recipe

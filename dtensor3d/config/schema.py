@@ -253,6 +253,9 @@ class DataConfig:
     validation: str | None = knob(
         "split", "validation windows: split (data.path's held-out documents), a prepared directory, or null"
     )
+    document_masking: bool = knob(
+        False, "packed documents: attention within each document, RoPE positions restarting at each (prepared dirs)"
+    )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ vocabulary within model.vocab_size, at least one sample of training tokens, and 
 validation windows a run with eval_every > 0 reads. One token file: .npy of an integer
 dtype and one dimension, or .bin of uint16; at least one sample; every id in
 0..model.vocab_size-1 (a vectorised min/max over the memory map, in blocks).
+data.document_masking: only a prepared directory (its document offsets).
 """
 
 from __future__ import annotations
@@ -130,9 +131,25 @@ def _check_validation(recipe, hashes: bool) -> None:
     )
 
 
+def _check_document_masking(d) -> None:
+    """data.document_masking needs document offsets: only a prepared directory has them."""
+    if d.kind != "tokens":
+        where = f"data.kind={d.kind!r} has no documents"
+    elif not os.path.isdir(d.path):
+        where = f"data.path {d.path!r} is a single token file, which records no document boundaries"
+    else:
+        return
+    raise DataError(
+        f"data.document_masking=true: {where}; give data.kind=tokens and a prepared directory (prepare-data writes "
+        "its document offsets) or set data.document_masking: false"
+    )
+
+
 def check_data_at_door(recipe, hashes: bool = False) -> None:
     """data.path against the recipe (see the module docstring); nothing for synthetic data."""
     d = recipe.data
+    if d.document_masking:
+        _check_document_masking(d)
     if d.kind != "tokens":
         return
     if not os.path.exists(d.path):

@@ -14,6 +14,11 @@ the rank, or the samples drawn before it. Each epoch gets a fresh permutation.
 
 Validation (`ValidationWindows`): the validation stream's windows in order, 0..count-1,
 the same fixed list at every mesh.
+
+Documents (data.document_masking): `documents(i)` gives each token of window i its position
+within its document and its document's number within the window (`window_documents`, from
+the split's document offsets). A window that begins inside a document treats that part as a
+document of its own (positions from 0): a token only ever sees tokens of its window.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .tokendir import read_meta
+from .tokendir import docs_name, read_meta
 
 MASK64 = (1 << 64) - 1
 
@@ -66,11 +71,25 @@ class FeistelPermutation:
         return x
 
 
+def window_documents(offsets: np.ndarray, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, document ids), each int64 [length], of stream tokens [start, start + length):
+    a token's position counts from its document's first token or from `start`, whichever is
+    later (Hugging Face's position_ids of packed sequences); ids number the window's documents
+    from 0. `offsets`: the split's document offsets (tokendir.py), 0 first, the token count last."""
+    index = np.arange(start, start + length, dtype=np.int64)
+    doc = np.searchsorted(offsets, index, side="right") - 1  # the document of each token
+    first = np.maximum(np.asarray(offsets[doc], dtype=np.int64), start)
+    return torch.from_numpy(index - first), torch.from_numpy(doc - doc[0])
+
+
 class TokenStream:
-    """One split of a prepared directory: its shards as one memory-mapped token stream."""
+    """One split of a prepared directory: its shards as one memory-mapped token stream, and
+    its document offsets (memory-mapped when first asked for)."""
 
     def __init__(self, path: str, meta: dict, split: str):
         entry = meta["splits"][split]
+        self.docs_file = os.path.join(path, entry.get("docs", docs_name(split)))
+        self._offsets = None
         dtype = np.dtype(meta["dtype"]).newbyteorder("<")
         self.shards = [
             np.memmap(os.path.join(path, s["file"]), dtype=dtype, mode="r") if s["tokens"] else np.zeros(0, dtype)
@@ -90,6 +109,12 @@ class TokenStream:
             out.append(np.asarray(part, dtype=np.int64))
             start, length, k = start + len(part), length - len(part), k + 1
         return np.concatenate(out) if len(out) > 1 else out[0]
+
+    def documents(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """window_documents of tokens [start, start + length)."""
+        if self._offsets is None:
+            self._offsets = np.memmap(self.docs_file, dtype="<i8", mode="r")
+        return window_documents(self._offsets, start, length)
 
 
 class TrainWindows:
@@ -117,6 +142,10 @@ class TrainWindows:
         start = self.window(i) * self.length
         return torch.from_numpy(self.stream.read(start, self.length + 1))
 
+    def documents(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, document ids) [L + 1] of sample i's tokens (module docstring)."""
+        return self.stream.documents(self.window(i) * self.length, self.length + 1)
+
 
 class ValidationWindows:
     """The fixed validation windows: sample(j) is window j mod count, in stream order."""
@@ -134,3 +163,7 @@ class ValidationWindows:
     def __call__(self, j: int) -> torch.Tensor:
         start = (j % self.count) * self.length
         return torch.from_numpy(self.stream.read(start, self.length + 1))
+
+    def documents(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, document ids) [L + 1] of sample j's tokens (module docstring)."""
+        return self.stream.documents((j % self.count) * self.length, self.length + 1)

@@ -145,6 +145,36 @@ def meet(store, node_rank: int, nnodes: int, recipe_dict: dict, timeout_s: float
         raise problem
 
 
+def meet_elastic(store, node_rank: int, recipe_dict: dict, timeout_s: float) -> None:
+    """An elastic job (NNODES=MIN:MAX): nodes come and go, so none waits for all; each node other
+    than node 0 (which hosts the store and whose record is the job's) compares its record with
+    node 0's and is refused (this node only, status 2) when they differ."""
+    store.set(f"{KEY}/node/{node_rank}", json.dumps(node_record(recipe_dict)))
+    if node_rank == 0:
+        return
+    wait_for_nodes_named(store, [0], timeout_s)
+    ours, theirs = json.loads(store.get(f"{KEY}/node/{node_rank}")), json.loads(store.get(f"{KEY}/node/0"))
+    diff = first_difference(theirs, ours)
+    if diff is not None:
+        key, mine, other = diff
+        raise NodesError(
+            f"this node's recipe differs from the job's at {key}: node 0 has {mine!r}, node {node_rank} has "
+            f"{other!r}; start every node with the same recipe, overrides and dtensor3d"
+        )
+
+
+def wait_for_nodes_named(store, wanted: list[int], timeout_s: float) -> None:
+    """Block until the nodes `wanted` have written their records (NodesError at the limit)."""
+    end = time.monotonic() + timeout_s
+    while not all(store.check([f"{KEY}/node/{n}"]) for n in wanted):
+        if time.monotonic() > end:
+            missing = ", ".join(f"node {n}" for n in wanted)
+            raise NodesError(
+                f"the rendezvous timed out after {timeout_s:g} s (training.timeout_s) waiting for {missing}"
+            )
+        time.sleep(0.2)
+
+
 class Heartbeat:
     """A daemon thread bumping this node's counter in the store every BEAT_S."""
 
@@ -170,7 +200,7 @@ def lost_nodes(store, nnodes: int, me: int, endpoint: str = "MASTER_ADDR:MASTER_
         after = [store.add(f"{KEY}/alive/{n}", 0) for n in range(nnodes)]
     except Exception:
         return f"node 0 (the rendezvous host, {endpoint}) was lost" if me != 0 else None
-    lost = [n for n in range(nnodes) if n != me and after[n] == before[n]]
+    lost = [n for n in range(nnodes) if n != me and after[n] == before[n] and after[n] > 0]  # 0: never joined
     if not lost:
         return None
     return ", ".join(f"node {n}" for n in lost) + (" was" if len(lost) == 1 else " were") + " lost"

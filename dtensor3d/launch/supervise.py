@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 
-from ..errors import SUPERVISED  # set for the workers: errors.write_error_file writes torch's error file
+from ..errors import RESIZE_CAUSE, SUPERVISED  # set for the workers: errors.write_error_file writes torch's error file
 
 SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -142,12 +142,17 @@ def final_line(attempts: list[list[Failure]], max_restarts: int, lost: str | Non
 # ---------------------------------------------------------------- the nodes
 
 
-def job_recipe(cmd_args: list[str]):
-    """The resolved recipe of `... -m dtensor3d train RECIPE [overrides]` (validated by launch.sh)."""
+def job_recipe(cmd_args: list[str], world_size: int | None = None):
+    """The resolved recipe of `... -m dtensor3d train RECIPE [overrides]` (validated by launch.sh);
+    `world_size` resolves an elastic recipe's `dp: auto` (every node resolves it alike)."""
     from ..config.load import load_recipe
 
     i = cmd_args.index("train")
-    return load_recipe(cmd_args[i + 1], [a for a in cmd_args[i + 2 :] if not a.startswith("-")])
+    return load_recipe(cmd_args[i + 1], [a for a in cmd_args[i + 2 :] if not a.startswith("-")], world_size)
+
+
+def smallest_world(config) -> int:
+    return config.min_nodes * config.nproc_per_node
 
 
 def meet_nodes(args, config, cmd_args: list[str], rdzv):
@@ -161,11 +166,14 @@ def meet_nodes(args, config, cmd_args: list[str], rdzv):
 
     from . import nodes
 
-    recipe = job_recipe(cmd_args)
+    recipe = job_recipe(cmd_args, smallest_world(config))
     host, _, port = rdzv.endpoint.rpartition(":")
     timeout = timedelta(seconds=recipe.training.timeout_s)
     store = TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
-    nodes.meet(store, args.node_rank, config.max_nodes, recipe.to_dict(), recipe.training.timeout_s)
+    if config.min_nodes < config.max_nodes:  # elastic: launch/elastic.py
+        nodes.meet_elastic(store, args.node_rank, recipe.to_dict(), recipe.training.timeout_s)
+    else:
+        nodes.meet(store, args.node_rank, config.max_nodes, recipe.to_dict(), recipe.training.timeout_s)
     nodes.Heartbeat(store, args.node_rank)
     return lambda: nodes.lost_nodes(store, config.max_nodes, args.node_rank, rdzv.endpoint)
 
@@ -173,7 +181,29 @@ def meet_nodes(args, config, cmd_args: list[str], rdzv):
 # ---------------------------------------------------------------- the agent
 
 
-def make_agent(spec, config, stopping: threading.Event, watch=None):
+def stop_for_resize(timeout_s: float) -> None:
+    """A node joined an elastic job: ask this node's ranks to save at the step boundary and exit
+    (SIGUSR1, training/faults.py), and wait for them, before the agent stops them (SIGTERM)."""
+    import time
+
+    pids = worker_pids()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and any(_running(pid) for pid in pids):
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def make_agent(spec, config, stopping: threading.Event, watch=None, resize_timeout_s: float = 60.0):
     """torch's LocalElasticAgent, keeping each attempt's failures and ending the job at a
     deterministic failure (status 2) or after a SIGTERM/SIGINT instead of restarting.
     `watch()`: for a multi-node job, the phrase naming a lost node (nodes.lost_nodes) or None."""
@@ -184,11 +214,22 @@ def make_agent(spec, config, stopping: threading.Event, watch=None):
             super().__init__(**kwargs)
             self.attempts: list[list[Failure]] = []
             self.lost: str | None = None  # the last failed attempt's lost node(s), if any
+            self.failed = False  # the last check found failed ranks (else a restart is a node joining)
+
+        def _restart_workers(self, worker_group):
+            # An elastic job's ranks learn why their world changed (checkpoint/resume.resize_line).
+            cause = (self.lost.replace(" was lost", " lost") if self.lost else "") if self.failed else "a node joined"
+            os.environ[RESIZE_CAUSE] = cause
+            if not self.failed:
+                stop_for_resize(resize_timeout_s)
+            self.failed = False
+            super()._restart_workers(worker_group)
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if not result.is_failed():
                 return result
+            self.failed = True
             failures = failures_of(result)
             self.attempts.append(failures)
             self.lost = watch() if watch is not None else None
@@ -219,8 +260,10 @@ def rendezvous_parameters(config, cmd_args: list[str], node_rank: int):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     if config.max_nodes > 1:  # node 0 hosts the store at MASTER_ADDR (on one machine too), others wait for it
-        seconds = int(max(1, job_recipe(cmd_args).training.timeout_s))
+        seconds = int(max(1, job_recipe(cmd_args, smallest_world(config)).training.timeout_s))
         config.rdzv_configs.update(join_timeout=seconds, read_timeout=seconds)
+        if "RDZV_LAST_CALL_S" in os.environ:  # elastic: how long a re-forming rendezvous waits for more nodes
+            config.rdzv_configs["last_call_timeout"] = int(os.environ["RDZV_LAST_CALL_S"])
         config.rdzv_configs["is_host"] = "1" if node_rank == 0 else "0"
     return RendezvousParameters(
         backend=config.rdzv_backend,
@@ -239,6 +282,13 @@ def unreachable(rdzv, what: str) -> str:
 
 def failed_first(agent) -> str:
     return f"; {summary(agent.attempts[-1])}" if agent.attempts else ""
+
+
+def agent_for(spec, config, stopping: threading.Event, args, cmd_args: list[str], rdzv):
+    """The agent, after the nodes met (multi-node); a resize waits for the ranks' save."""
+    watch = meet_nodes(args, config, cmd_args, rdzv)
+    resize_s = job_recipe(cmd_args, smallest_world(config)).checkpoint.preempt_timeout_s + 10 if watch else 60.0
+    return make_agent(spec, config, stopping, watch, resize_s)
 
 
 def launch(args, stopping: threading.Event):
@@ -274,7 +324,7 @@ def launch(args, stopping: threading.Event):
     except RendezvousConnectionError:  # node 0's store never came up
         raise NodesError(unreachable(rdzv, "could not be reached")) from None
     spec = dataclasses.replace(spec, rdzv_handler=handler)
-    agent = make_agent(spec, config, stopping, meet_nodes(args, config, cmd_args, rdzv))
+    agent = agent_for(spec, config, stopping, args, cmd_args, rdzv)
     try:
         result = agent.run()  # None: torch's own "graceful exit" of the rendezvous
     except RendezvousClosedError:  # a restart found the rendezvous closed
@@ -296,7 +346,7 @@ def launch(args, stopping: threading.Event):
 def main(argv: list[str]) -> int:
     # Blocked here, and so in the workers from their first instruction (a blocked mask is
     # inherited): a signal during a worker's start waits until faults.Preemption takes it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {*SIGNALS, signal.SIGUSR1})  # SIGUSR1: see stop_for_resize
     stopping = threading.Event()
     threading.Thread(target=forward_signals, args=(stopping,), name="dtensor3d-signals", daemon=True).start()
     os.environ[SUPERVISED] = "1"

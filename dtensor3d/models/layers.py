@@ -37,6 +37,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor):
+    """[b, 1, sq, sk] True where a query may see a key: the same document (document ids
+    [b, sq], [b, sk]) and not later in the window (window indices [sq], [sk])."""
+    causal = k_index[None, :] <= q_index[:, None]  # [sq, sk]
+    return (causal & (q_docs[:, :, None] == k_docs[:, None, :]))[:, None]
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """Causal attention within documents: q: [b, h, s, d]; k, v: [b, kv_h, s, d];
+    document_ids: [b, s] (packed documents; data.document_masking). SDPA with a boolean mask
+    on every device: on CPU torch runs its flash kernel with the mask, on CUDA the
+    memory-efficient one. K/V heads are repeated for grouped-query attention first: SDPA's
+    enable_gqa with a mask would fall back to the math kernel on CUDA ([b, h, s, s] kept)."""
+    index = torch.arange(q.shape[2], device=q.device)
+    mask = document_mask(document_ids, document_ids, index, index)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class KVCache:
     """Keys and values of the tokens already seen, per attention layer, for generation
     (datasets-free, single device; generate.py is its user).
@@ -79,9 +100,12 @@ class SequenceLayout:
         """Global positions of the n_tokens this rank holds (for RoPE)."""
         return torch.arange(n_tokens, device=device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Exact causal attention of this rank's queries over the whole sequence's keys."""
-        return causal_attention(q, k, v)
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Exact causal attention of this rank's queries over the whole sequence's keys;
+        with `document_ids` [b, s_local] (this rank's tokens), within their documents."""
+        return causal_attention(q, k, v) if document_ids is None else document_attention(q, k, v, document_ids)
 
     def sum_over_sequence(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(t summed over the ranks that hold parts of the same sequences, their count).

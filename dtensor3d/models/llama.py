@@ -39,22 +39,32 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`cache` (generation, single device): x holds the tokens after cache.length; their
-        keys/values join the cache and they attend to every cached token."""
+        keys/values join the cache and they attend to every cached token. `position_ids`,
+        `document_ids` [b, s] (packed documents, Hugging Face's position_ids meaning): RoPE
+        positions restarting at each document, and attention within each document."""
         q, k, v = (
             rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        if cache is None:  # the whole sequence here, or this rank's part of it under context parallelism
-            positions = self.sequence.positions(q.shape[2], q.device)
-        else:
+        if cache is not None:
             positions = torch.arange(cache.length, cache.length + q.shape[2], device=q.device)
+        elif position_ids is not None:
+            positions = position_ids
+        else:  # the whole sequence here, or this rank's part of it under context parallelism
+            positions = self.sequence.positions(q.shape[2], q.device)
         cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
         q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         if cache is None:
-            out = self.sequence.attention(q, k, v)  # [b, h, s, d]
+            out = self.sequence.attention(q, k, v, document_ids)  # [b, h, s, d]
         else:
             out = cached_attention(q, *cache.update(self, k, v))
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
@@ -77,23 +87,25 @@ class DecoderLayer(nn.Module):
     def feed_forward(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
+        """`docs`: position_ids and document_ids of packed documents (Attention.forward)."""
         if self.recompute != "none" and torch.is_grad_enabled() and cache is None:
             # full: torch's default context, not passed (torch.compile refuses a context_fn
             # it cannot trace, torch's own noop_context_fn included)
             extra = {"context_fn": recompute_context(self.recompute)} if self.recompute == "selective" else {}
-            out = checkpoint(self._forward, x, use_reentrant=False, **extra)
+            out = checkpoint(self._forward, x, None, use_reentrant=False, **extra, **docs)
         else:
-            out = self._forward(x, cache)
+            out = self._forward(x, cache, **docs)
         if hasattr(self, "block_sparse_moe"):
             self.block_sparse_moe.record()
         return out
 
-    def _forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
         h = self.input_layernorm(x)
-        # Training calls the attention with one input: tensor parallelism's input styles
-        # (sequence parallelism's gather) are written for exactly that.
-        x = x + (self.self_attn(h) if cache is None else self.self_attn(h, cache))
+        # Training calls the attention with one positional input (the documents' ids as
+        # keywords): tensor parallelism's input styles (sequence parallelism's gather) are
+        # written for exactly that, and pass keywords through.
+        x = x + (self.self_attn(h, **docs) if cache is None else self.self_attn(h, cache))
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
@@ -109,11 +121,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)  # [b, s] -> [b, s, hidden]
         for layer in self.layers.values():
-            h = layer(h) if cache is None else layer(h, cache)
+            h = layer(h, **docs) if cache is None else layer(h, cache)
         if self.norm is not None:
             h = self.norm(h)
         return h
@@ -132,11 +144,21 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`cache`: generation's KV cache (models/layers.py); input_ids are then the tokens
-        after the cached ones, and the cache advances past them."""
+        after the cached ones, and the cache advances past them. `position_ids`,
+        `document_ids` [b, s]: packed documents (each token attends only to earlier tokens of
+        its document; RoPE positions restart at each)."""
         if cache is None:
-            h = self.model(input_ids)
+            given = {"position_ids": position_ids, "document_ids": document_ids}
+            docs = {key: t for key, t in given.items() if t is not None}
+            h = self.model(input_ids, **docs)
         else:
             h = self.model(input_ids, cache)
             cache.length += input_ids.shape[1]

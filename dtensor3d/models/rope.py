@@ -66,8 +66,11 @@ def _yarn(base: torch.Tensor, rope: dict, dim: int, theta: float) -> tuple[torch
 
 
 def rope_tables(freqs: torch.Tensor, scale: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq, head_dim] for the given (global) token positions."""
-    angles = torch.outer(positions.float(), freqs.to(positions.device))
+    """cos, sin of shape [seq, head_dim] for the given (global) token positions [seq], or
+    [batch, 1, seq, head_dim] for per-sample positions [batch, seq] (packed documents)."""
+    angles = positions.float()[..., None] * freqs.to(positions.device)  # [..., seq, head_dim / 2]
+    if positions.dim() == 2:
+        angles = angles[:, None]  # [batch, 1 (heads), seq, head_dim / 2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos() * scale, angles.sin() * scale
 

@@ -17,6 +17,14 @@ serves CPU and GPU, with two kernels behind one switch, `cp_kernel(device)`:
 - "masked" (everything else): SDPA with a boolean mask by global position. On CUDA the
   memory-efficient kernel takes the mask; on CPU a mask forces the math kernel, which
   keeps the [b, h, S/cp, S] probabilities for backward.
+
+Packed documents (data.document_masking): each rank's tokens come with their document ids
+(the whole window's numbering, sharded like the tokens); they are all-gathered beside K and
+V, and a query sees a key only when it is of the same document as well as not later. The
+flash kernel then passes each block its mask and leaves out the keys (and whole blocks) no
+query of the block sees -- attention work saved where documents are shorter than the
+sequence; the masked kernel ANDs the documents into its mask: one switch, equal results
+(tests/parallel/test_context.py).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..models.layers import SequenceLayout
+from ..models.layers import SequenceLayout, document_mask
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -90,23 +98,55 @@ def _causal_blocks(chunk: int, size: int):
     yield slice(chunk * size, (chunk + 1) * size), True
 
 
+def _blocks(chunk: int, size: int, rows: slice, docs: tuple | None):
+    """(key slice, is_causal, mask) of query chunk `chunk` (its rows of q: `rows`). With
+    documents (q_docs [b, s_local], k_docs [b, S] in global order) the mask is an additive
+    [b, 1, size, keys] one (0 where the same document and causal, -inf elsewhere), the keys
+    before the first one any query sees are cut off, and a block no query of which sees any
+    key is left out: short documents skip most of the earlier chunks' keys."""
+    for keys, causal in _causal_blocks(chunk, size):
+        if docs is None:
+            yield keys, causal, None
+            continue
+        q_index = torch.arange(chunk * size, (chunk + 1) * size, device=docs[0].device)
+        k_index = torch.arange(keys.start, keys.stop, device=docs[0].device)
+        allowed = document_mask(docs[0][:, rows], docs[1][:, keys], q_index, k_index)
+        seen = allowed.flatten(0, 2).any(0).nonzero()  # key columns some query sees
+        if len(seen):
+            first = int(seen[0])
+            allowed = allowed[..., first:]
+            mask = torch.zeros(allowed.shape, dtype=docs[2], device=allowed.device)
+            yield slice(keys.start + first, keys.stop), False, mask.masked_fill(~allowed, float("-inf"))
+
+
+def _flash_block(flash, q, k, v, causal: bool, mask: torch.Tensor | None):
+    """One flash call; rows that `mask` leaves without a key get log-sum-exp -inf (the
+    kernel reports 0 for them), so merging ignores them."""
+    o, lse = flash(q, k, v, 0.0, causal, attn_mask=mask)
+    if mask is not None:
+        lse = lse.masked_fill(~torch.isfinite(mask).any(-1), float("-inf"))
+    return o, lse
+
+
 class _ChunkedCausalAttention(torch.autograd.Function):
     """Causal attention for query chunks `chunks` (each `size` tokens, chunk j of q is the
     sequence's chunk chunks[j]) over keys in global order, by flash blocks merged through
-    their log-sum-exps. q: [b, h, n*size, d]; k, v: [b, kv_h, S, d] (kv_h divides h)."""
+    their log-sum-exps. q: [b, h, n*size, d]; k, v: [b, kv_h, S, d] (kv_h divides h);
+    docs: None, or (q_docs [b, n*size], k_docs [b, S] in global order) for packed documents."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunks: tuple[int, ...]):
+    def forward(ctx, q, k, v, chunks: tuple[int, ...], docs: tuple | None = None):
         flash = getattr(torch.ops.aten, _FLASH_CPU[0])
         b, h, s, d = q.shape
         size = s // len(chunks)
+        docs = None if docs is None else (*docs, q.dtype)
         out = q.new_empty(b, s, h, d).transpose(1, 2)  # [b, s, h, d] in memory, like SDPA's
         lse = None
         for j, chunk in enumerate(chunks):
             rows = slice(j * size, (j + 1) * size)
             parts = [
-                flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal)
-                for keys, causal in _causal_blocks(chunk, size)
+                _flash_block(flash, q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, mask)
+                for keys, causal, mask in _blocks(chunk, size, rows, docs)
             ]
             if lse is None:
                 lse = parts[0][1].new_empty(b, s, h).transpose(1, 2)
@@ -117,7 +157,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                 o = sum(p.to(l.dtype) * (pl - l).exp().unsqueeze(-1) for p, pl in parts)
             out[:, :, rows] = o
             lse[:, :, rows] = l
-        ctx.chunks = chunks
+        ctx.chunks, ctx.docs = chunks, docs
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -130,7 +170,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for j, chunk in enumerate(ctx.chunks):
             rows = slice(j * size, (j + 1) * size)
-            for keys, causal in _causal_blocks(chunk, size):
+            for keys, causal, mask in _blocks(chunk, size, rows, ctx.docs):
                 # the merged out and lse make each block's probabilities the global ones
                 gq, gk, gv = flash_backward(
                     grad[:, :, rows],
@@ -141,20 +181,21 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                     lse[:, :, rows],
                     0.0,
                     causal,
+                    attn_mask=mask,
                 )
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
-def _global_order(x: torch.Tensor, cp: int) -> torch.Tensor:
-    """Gathered chunks (rank 0's two, rank 1's two, ...) put back in sequence order, dim 2."""
-    pieces = x.chunk(2 * cp, dim=2)
-    return torch.cat([pieces[2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1] for c in range(2 * cp)], dim=2)
+def _global_order(x: torch.Tensor, cp: int, dim: int = 2) -> torch.Tensor:
+    """Gathered chunks (rank 0's two, rank 1's two, ...) put back in sequence order."""
+    pieces = x.chunk(2 * cp, dim=dim)
+    return torch.cat([pieces[2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1] for c in range(2 * cp)], dim=dim)
 
 
-def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tensor:
+def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None) -> torch.Tensor:
     """The "flash" kernel on keys already gathered (cp-rank order); needs the zigzag layout."""
     seq = k.shape[2]
     expected_k = torch.cat([zigzag_positions(seq, cp, r) for r in range(cp)])
@@ -164,15 +205,17 @@ def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tenso
             "zigzag_positions(S, cp, rank), k_pos = every rank's in rank order"
         )
     k, v = _global_order(k, cp), _global_order(v, cp)
-    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank))
+    docs = None if q_docs is None else (q_docs, _global_order(k_docs, cp, dim=1))
+    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank), docs)
 
 
-def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int) -> torch.Tensor:
-    """The "masked" kernel on keys already gathered: SDPA with a mask by global position."""
+def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None) -> torch.Tensor:
+    """The "masked" kernel on keys already gathered: SDPA with a mask by global position
+    (and, for packed documents, by document id)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    mask = k_pos[None, :] <= q_pos[:, None]
+    mask = k_pos[None, :] <= q_pos[:, None] if q_docs is None else document_mask(q_docs, k_docs, q_pos, k_pos)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -188,17 +231,26 @@ def cp_attention(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     kernel: str | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact causal attention for this rank's queries over the whole sequence's keys.
 
     q: [b, h, s_local, d]; k, v: [b, kv_h, s_local, d]; q_pos: [s_local] global positions of
     this rank's tokens; k_pos: [s] global positions of the gathered keys (cp-rank order).
-    kernel: "flash" or "masked" (see the module docstring); default cp_kernel(q.device)."""
+    kernel: "flash" or "masked" (see the module docstring); default cp_kernel(q.device).
+    document_ids: [b, s_local] this rank's tokens' documents (packed documents): gathered
+    with the keys, and a query sees only keys of its own document."""
     kernel = kernel or cp_kernel(q.device)
     if kernel not in KERNELS:
         raise ValueError(f"cp_attention: kernel {kernel!r}; valid: {', '.join(KERNELS)}")
     k, v = gather_sequence(k, group, 2), gather_sequence(v, group, 2)
-    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos, cp=dist.get_world_size(group), rank=dist.get_rank(group))
+    docs = {}
+    if document_ids is not None:
+        parts = [torch.empty_like(document_ids) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, document_ids.contiguous(), group=group)  # ids: no gradient
+        docs = {"q_docs": document_ids, "k_docs": torch.cat(parts, dim=1)}  # k_docs in cp-rank order, like k_pos
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos, cp=cp, rank=rank, **docs)
 
 
 class ContextParallelLayout(SequenceLayout):
@@ -217,8 +269,10 @@ class ContextParallelLayout(SequenceLayout):
             raise ValueError(f"context parallelism: {n_tokens} tokens on this rank, the layout has {len(self.q_pos)}")
         return self.q_pos.to(device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return cp_attention(q, k, v, group=self.group, q_pos=self.q_pos, k_pos=self.k_pos)
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return cp_attention(q, k, v, group=self.group, q_pos=self.q_pos, k_pos=self.k_pos, document_ids=document_ids)
 
     def sum_over_sequence(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return dist_fn.all_reduce(t, group=self.group), self.cp
@@ -231,11 +285,19 @@ def sequence_layout(parallelism, mesh, seq_len: int, device: torch.device) -> Se
     return ContextParallelLayout(mesh["cp"], seq_len, device)
 
 
-def shard_batch(batch: tuple[torch.Tensor, ...], parallelism, coords: dict[str, int]) -> tuple[torch.Tensor, ...]:
-    """Step time: this cp rank's tokens of every full-sequence tensor of the batch."""
+def shard_batch(batch: tuple, parallelism, coords: dict[str, int]) -> tuple:
+    """Step time: this cp rank's tokens of every full-sequence tensor of the batch (tensors,
+    or a dict of them: the documents' position and document ids, which keep the ids the
+    whole sequence gave them)."""
     if not parallelism.cp_enabled:
         return batch
-    return tuple(shard_sequence(x, parallelism.cp, coords["cp"]) for x in batch)
+
+    def shard(x):
+        if isinstance(x, dict):
+            return {key: shard(t) for key, t in x.items()}
+        return shard_sequence(x, parallelism.cp, coords["cp"])
+
+    return tuple(shard(x) for x in batch)
 
 
 def attention_pairs(seq_len: int, cp: int) -> list[int]:

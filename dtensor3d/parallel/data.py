@@ -114,8 +114,29 @@ def local_batch(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def rank_samples(recipe, coords: dict[str, int], source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_documents(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int = 1) -> dict[str, torch.Tensor]:
+    """The inputs' packed documents (data.document_masking): {"position_ids", "document_ids"},
+    each [n_microbatches * micro_batch_size, sequence_length], the model's keyword arguments."""
+    indices = sample_indices(recipe, step, batch_rank, batch_ranks)
+    positions, documents = (torch.stack(t) for t in zip(*(source.documents(i) for i in indices)))
+    return {"position_ids": positions[:, :-1].contiguous(), "document_ids": documents[:, :-1].contiguous()}
+
+
+def rank_samples(recipe, coords: dict[str, int], source, step: int) -> tuple:
     """Step time: this rank's samples of global batch `step` (it shares them with its tp,
-    cp and pp peers; ep x dp split the batch)."""
+    cp and pp peers; ep x dp split the batch): (inputs, targets), and with
+    data.document_masking the dict of local_documents after them."""
     p = recipe.parallelism
-    return local_batch(recipe, source, step, p.batch_rank(coords), p.batch_ranks)
+    where = (recipe, source, step, p.batch_rank(coords), p.batch_ranks)
+    batch = local_batch(*where)
+    return (*batch, local_documents(*where)) if recipe.data.document_masking else batch
+
+
+def rows_of(docs: dict, rows: slice) -> dict:
+    """One microbatch's rows of the documents' keyword arguments (empty: none)."""
+    return {key: t[rows] for key, t in docs.items()}
+
+
+def batch_to(batch: tuple, device: torch.device) -> tuple:
+    """Every tensor of a batch (and of the documents' dict in it) on `device`."""
+    return tuple({k: t.to(device) for k, t in x.items()} if isinstance(x, dict) else x.to(device) for x in batch)

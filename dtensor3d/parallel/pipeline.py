@@ -143,17 +143,25 @@ def build_schedule(
 
 
 def schedule_step(
-    schedule, inputs: torch.Tensor, targets: torch.Tensor, stage: int, parallelism, forward_only: bool = False
+    schedule,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    stage: int,
+    parallelism,
+    forward_only: bool = False,
+    docs: dict | None = None,
 ) -> torch.Tensor:
     """Step time: run the step's microbatches through the schedule (inputs enter on the rank
     holding the first stage, targets and the loss live on the one holding the last); return
     the sum of this rank's microbatch losses (zero where it holds no last stage). `stage` is
-    this rank's pp coordinate; `forward_only`: the schedule's eval (validation, no backward)."""
+    this rank's pp coordinate; `forward_only`: the schedule's eval (validation, no backward).
+    `docs`: the packed documents' position_ids and document_ids, given to every stage as
+    keyword arguments (the schedule splits them into the same microbatches as the inputs)."""
     first, last = holds_first_stage(stage, parallelism), holds_last_stage(stage, parallelism)
     losses: list[torch.Tensor] = []
     args = (inputs,) if first else ()
     run = schedule.eval if forward_only else schedule.step
-    run(*args, target=targets if last else None, losses=losses if last else None)
+    run(*args, target=targets if last else None, losses=losses if last else None, **(docs or {}))
     total = torch.zeros((), device=inputs.device)
     for loss in losses:
         total += local(loss.detach()).float()

@@ -130,14 +130,15 @@ def pp_bytes(recipe, part: Part) -> dict[str, int]:
 
 
 def cp_bytes(recipe, layers: list[int], backend: str) -> dict[str, int]:
-    """Per step: each attention all-gathers its k and v (again under recompute); backward
-    reduce-scatters their gradients (gloo: all-reduces them). MoE layers all-reduce their
-    routing sums (2E + 1 floats) forward and backward."""
+    """Per step: each attention all-gathers its k and v (again under recompute), and with
+    data.document_masking its tokens' int64 document ids; backward reduce-scatters the k, v
+    gradients (gloo: all-reduces them). MoE layers all-reduce their routing sums (2E + 1
+    floats) forward and backward."""
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
     if not p.cp_enabled:
         return _kinds()
     forwards = 2 if replays_forward(recipe) else 1
-    kv = 2 * z.tokens * z.kv_width * z.compute
+    kv = 2 * z.tokens * z.kv_width * z.compute + (z.tokens * 8 if recipe.data.document_masking else 0)
     grads = 2 * z.kv_tokens * z.kv_width * z.compute
     stats = (2 * m.num_local_experts + 1) * FP32 * _moe_layers(recipe, layers) * (forwards + 1)
     bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"

@@ -104,6 +104,11 @@ def _estimate_lines(recipe, est: dict) -> list[str]:
         f"flops per step {est['flops_per_step']:.3e}; pipeline bubble {100 * est['bubble_fraction']:.1f}% "
         f"({p.pp_engine})"
     )
+    if recipe.data.document_masking:
+        lines.append(
+            "document masking: attention FLOPs counted in full (not modelled: SDPA applies the mask inside full causal "
+            "attention and saves none; under cp the CPU flash kernel skips the keys no query of a chunk sees)"
+        )
     lines.append("bytes one rank hands to collectives per step, by mesh dim (the busiest stage):")
     for dim, kinds in est["comm_bytes_per_step"].items():
         parts = ", ".join(f"{k} {_size(n)}" for k, n in kinds.items() if n and k != "total")

@@ -24,15 +24,17 @@ def eval_due(recipe, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == recipe.training.steps)
 
 
-def _forward_only(state, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of this rank's microbatch losses of one batch (zero where it computes none)."""
-    p, mbs = state.recipe.parallelism, state.recipe.training.micro_batch_size
+def _forward_only(state, inputs: torch.Tensor, targets: torch.Tensor, docs: dict | None = None) -> torch.Tensor:
+    """Sum of this rank's microbatch losses of one batch (zero where it computes none);
+    `docs`: its packed documents (data.document_masking), as in training."""
+    p, mbs, docs = state.recipe.parallelism, state.recipe.training.micro_batch_size, docs or {}
     if state.schedule is not None:
-        return pipeline.schedule_step(state.schedule, inputs, targets, state.coords["pp"], p, forward_only=True)
+        stage = state.coords["pp"]
+        return pipeline.schedule_step(state.schedule, inputs, targets, stage, p, forward_only=True, docs=docs)
     total = torch.zeros((), device=state.device)
     for m in range(inputs.shape[0] // mbs):
         rows = slice(m * mbs, (m + 1) * mbs)
-        total += local(state.loss_fn(state.model(inputs[rows]), targets[rows])).float()
+        total += local(state.loss_fn(state.model(inputs[rows], **data.rows_of(docs, rows)), targets[rows])).float()
     return total
 
 
@@ -44,8 +46,7 @@ def validation_loss(state, source, compute_context) -> dict:
     with torch.no_grad(), tensor.loss_context(p), compute_context:
         for b in range(recipe.training.eval_batches):
             batch = data.rank_samples(recipe, state.coords, source, b)
-            inputs, targets = (x.to(state.device) for x in context.shard_batch(batch, p, state.coords))
-            total += _forward_only(state, inputs, targets)
+            total += _forward_only(state, *data.batch_to(context.shard_batch(batch, p, state.coords), state.device))
     reports = state.is_last_stage and state.coords["tp"] == 0
     total = total * reports
     dist.all_reduce(total)

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from ..errors import UserError, is_rank0, write_error_file
 from ..parallel.shards import local
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+RESIZE = signal.SIGUSR1  # from this node's agent: the job's nodes changed (launch/elastic.py): save and exit 0
+SIGNALS = (signal.SIGTERM, signal.SIGINT, RESIZE)
 NAME_BYTES = 256  # a parameter name, as bytes, in the all-reduce that finds the first bad one
 
 
@@ -122,6 +123,11 @@ class Preemption:
 
 
 def preempted_line(name: str, step: int, saved: str | None, ckpt_dir: str | None) -> str:
+    if name == RESIZE.name:
+        kept = f"saved {saved}" if saved else "no new checkpoint"
+        return (
+            f"resizing: the job's nodes changed; stopped after step {step}; {kept}; the ranks restart on the new mesh"
+        )
     if saved:
         what = f"saved {saved}; run the same command again to resume from step {step}"
     elif ckpt_dir:
@@ -258,6 +264,7 @@ class Guard:
         self.preemption = Preemption(recipe.checkpoint.preempt_timeout_s)
         self.preemption.install()
         self.skips = SkipCount(recipe.training, recipe.checkpoint.dir)
+        self.resizing = False  # stopped for an elastic resize: no `done:` line, the job goes on
 
     @contextlib.contextmanager
     def setup_phase(self):
@@ -286,6 +293,7 @@ class Guard:
             saved = None
             for hook in hooks:
                 saved = hook.on_signal(state) or saved
+        self.resizing = name == RESIZE.name
         if is_rank0():
             print(preempted_line(name, state.step, saved, self.recipe.checkpoint.dir), flush=True)
         return True

@@ -110,11 +110,15 @@ def compute_dtype_context(state: TrainState):
     return torch.autocast(state.device.type, enabled=False)
 
 
-def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def forward_backward(
+    state: TrainState, inputs: torch.Tensor, targets: torch.Tensor, docs: dict | None = None
+) -> torch.Tensor:
     """Run every microbatch of this rank's local batch; return the sum of its losses (zero
-    where this rank computes none). With training.compile, rank 0 prints the compile time
-    once, after the first step (torch compiles each block in its first forward and backward)."""
-    total = _microbatches(state, inputs, targets)
+    where this rank computes none). `docs`: the packed documents' position_ids and
+    document_ids (data.document_masking), the model's keyword arguments, split like the
+    inputs. With training.compile, rank 0 prints the compile time once, after the first step
+    (torch compiles each block in its first forward and backward)."""
+    total = _microbatches(state, inputs, targets, docs or {})
     if state.recipe.training.compile and not state.compile_reported:
         state.compile_reported = True
         if is_rank0():
@@ -123,17 +127,17 @@ def forward_backward(state: TrainState, inputs: torch.Tensor, targets: torch.Ten
     return total
 
 
-def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor, docs: dict) -> torch.Tensor:
     p, mbs = state.recipe.parallelism, state.recipe.training.micro_batch_size
     with tensor.loss_context(p), compute_dtype_context(state):
         if state.schedule is not None:
-            return pipeline.schedule_step(state.schedule, inputs, targets, state.coords["pp"], p)
+            return pipeline.schedule_step(state.schedule, inputs, targets, state.coords["pp"], p, docs=docs)
         total = torch.zeros((), device=state.device)
         n_micro = inputs.shape[0] // mbs
         for m in range(n_micro):
             rows = slice(m * mbs, (m + 1) * mbs)
             data.gradient_sync(state.model, p, last_microbatch=m == n_micro - 1)
-            loss = state.loss_fn(state.model(inputs[rows]), targets[rows])
+            loss = state.loss_fn(state.model(inputs[rows], **data.rows_of(docs, rows)), targets[rows])
             loss.backward()
             total += local(loss.detach()).float()
     return total
@@ -172,12 +176,12 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
     return metrics
 
 
-def rank_batch(state: TrainState, source, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_batch(state: TrainState, source, step: int) -> tuple:
     """This rank's (inputs, targets) of global batch `step`: its samples (dp, ep) and its
-    tokens of each (cp), on its device."""
+    tokens of each (cp), on its device; with data.document_masking, then the dict of its
+    tokens' position_ids and document_ids."""
     batch = data.rank_samples(state.recipe, state.coords, source, step)
-    inputs, targets = context.shard_batch(batch, state.recipe.parallelism, state.coords)
-    return inputs.to(state.device), targets.to(state.device)
+    return data.batch_to(context.shard_batch(batch, state.recipe.parallelism, state.coords), state.device)
 
 
 def _banner(state: TrainState) -> str:
@@ -241,6 +245,7 @@ def train(recipe: Recipe) -> list[dict]:
     finally:
         _close(found, guard)
     guard.final_barrier()  # every rank reached the end: only then the `done:` line
-    log.done()
+    if not guard.resizing:  # an elastic resize: the job goes on with new ranks
+        log.done()
     dist.destroy_process_group()
     return log.records

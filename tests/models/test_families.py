@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
@@ -85,6 +87,42 @@ def test_logits_equal_transformers(family):
         ref = hf(ids).logits
         assert relative(load_model(root / "hf")(ids), ref) <= 1e-5
         assert relative(load_model(root / "ck")(ids), ref) <= 1e-5
+
+
+# The families whose attention differs in what positions do: llama3 and yarn RoPE scalings,
+# Qwen3's per-head q/k norms and head_dim (qwen2 and mistral attend as llama does).
+@pytest.mark.parametrize("family", ["llama3", "llama_yarn", "qwen3"], indirect=True)
+def test_packed_documents_equal_each_document_alone(family):
+    # Two windows of a packed stream (documents of 1 to 45 tokens, the first window starting
+    # inside one): the positions and document ids data.document_masking gives them (the
+    # data path's own window_documents), our model's per-token losses against transformers
+    # running each document's part of the window alone (positions from 0).
+    from dtensor3d.datasets.tokens import window_documents
+
+    _, hf, root = family
+    stream = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(3))
+    offsets = np.array([0, 7, 8, 30, 31, 45, 90, 120, 200])
+    starts, length = (3, 40), 64
+    ids = torch.stack([stream[s : s + length] for s in starts])
+    targets = torch.stack([stream[s + 1 : s + length + 1] for s in starts])
+    positions, documents = (
+        torch.stack(t)[:, :length] for t in zip(*(window_documents(offsets, s, 65) for s in starts))
+    )
+    assert positions[0, :4].tolist() == [0, 1, 2, 3] and positions[0, 4:6].tolist() == [0, 0]
+    ours = load_model(root / "ck")
+    with torch.no_grad():
+        logits = ours(ids, position_ids=positions, document_ids=documents)
+        got = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(2, length)
+        want = torch.empty_like(got)
+        for b, s in enumerate(starts):
+            edges = sorted({0, length, *(int(o) - s for o in offsets if 0 < o - s < length)})
+            for i, j in zip(edges, edges[1:]):  # each document's part of the window, alone
+                alone = hf(ids[b : b + 1, i:j]).logits[0]
+                want[b, i:j] = F.cross_entropy(alone, targets[b, i:j], reduction="none")
+        plain = F.cross_entropy(ours(ids).flatten(0, 1), targets.flatten(), reduction="none")
+    assert len(edges) >= 4  # documents inside each window
+    assert (got - want).abs().max() <= 1e-5, (got - want).abs().max()
+    assert (plain.view(2, length) - want).abs().max() > 0.01  # unmasked, the documents see each other
 
 
 def test_export_loads_in_transformers_in_the_family(family):
