@@ -1,14 +1,18 @@
 """generate: sample text from a checkpoint in one process, with a KV cache.
 
     python -m dtensor3d generate CKPT --prompt TEXT [--max-new-tokens N] [--temperature T]
-        [--top-k K] [--top-p P] [--seed S] [--tokenizer PATH]
+        [--top-k K] [--top-p P] [--seed S] [--tokenizer PATH] [--chat]
 
 CKPT: a step directory, a checkpoint directory (its newest step) or a Hugging Face
 directory. The tokenizer: --tokenizer, else the tokenizer.json in the step directory, the
 checkpoint directory or the Hugging Face directory. The prompt runs once (prefill); each
 new token then runs alone against the cache. Text goes to stdout as it is produced;
 tokens/s to stderr. Temperature 0 is greedy (argmax). Generation stops at the tokenizer's
-end-of-document token or after N tokens.
+end-of-document token or after N tokens. With --chat the prompt is one user turn of the
+tokenizer's chat template (chat_template.jinja or tokenizer_config.json beside tokenizer.json)
+followed by the assistant's header (add_generation_prompt), only the reply is printed, and
+generation also stops at any end-of-turn token the vocabulary holds (<|im_end|>, <|eot_id|>, ...)
+or, for a tokenizer that spells the template's end-of-turn text in plain tokens, at that text.
 """
 
 from __future__ import annotations
@@ -35,6 +39,45 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens of this mass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="a tokenizer.json or a directory holding one (default: beside CKPT)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
+
+
+def prompt_ids(tok, tokenizer_path: str, text: str, chat: bool) -> tuple[list[int], str]:
+    """The prompt's ids: the text, or with `chat` its rendering as one user turn with the
+    assistant's header after it (the template's special tokens recognised); and with `chat`
+    the end-of-turn text the template writes after a reply ("" without)."""
+    if not chat:
+        return tok.encode(text, add_special_tokens=False).ids, ""
+    from .datasets.chat import Renderer, find_template
+
+    render = Renderer(find_template(tokenizer_path, what="generate --chat"))
+    prompt = render([{"role": "user", "content": text}], add_generation_prompt=True)
+    probe = "\x00reply\x00"  # a reply no template alters: what follows it is the end of the turn
+    turn = render([{"role": "user", "content": text}, {"role": "assistant", "content": probe}])
+    end = turn[turn.index(probe) + len(probe) :].strip() if probe in turn else ""
+    return tok.encode(prompt, add_special_tokens=False).ids, end
+
+
+def visible(text: str, end: str) -> tuple[str, bool]:
+    """The part of a reply to print: the text before the end-of-turn text `end` (then True:
+    the turn is over), holding back a tail that may be the start of `end`."""
+    if not end:
+        return text, False
+    if end in text:
+        return text[: text.index(end)], True
+    for k in range(min(len(end) - 1, len(text)), 0, -1):
+        if end.startswith(text[-k:]):
+            return text[:-k], False
+    return text, False
+
+
+def stop_ids(tok, chat: bool) -> set[int]:
+    """The end-of-document token (the first of KNOWN_EOS the vocabulary holds); with `chat`
+    every one it holds (end-of-turn tokens included)."""
+    from .datasets.tokenizer import KNOWN_EOS
+
+    found = [tok.token_to_id(t) for t in KNOWN_EOS if tok.token_to_id(t) is not None]
+    return set(found if chat else found[:1])
 
 
 def find_tokenizer(ckpt: str, given: str | None) -> str:
@@ -112,11 +155,13 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen
 def generate_ids(
     model, prompt: list[int], max_new: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, eos=None
 ) -> Iterator[int]:
-    """Yield up to `max_new` tokens after `prompt`, stopping after `eos`; one KV cache."""
+    """Yield up to `max_new` tokens after `prompt`, stopping after `eos` (an id or a set of
+    ids); one KV cache."""
     import torch
 
     from .models.layers import KVCache
 
+    stops = {eos} if isinstance(eos, int) else set(eos or ())
     cache, gen = KVCache(), torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt])
     for _ in range(max_new):
@@ -125,7 +170,7 @@ def generate_ids(
         _drop_moe_records(model)
         token = pick(logits, temperature, top_k, top_p, gen)
         yield token
-        if token == eos:
+        if token in stops:
             return
         ids = torch.tensor([[token]])
 
@@ -141,28 +186,30 @@ def run_generate(args) -> None:
     from tokenizers import Tokenizer
 
     from .checkpoint.hf import model_from, model_source
-    from .datasets.tokenizer import KNOWN_EOS
 
     check_args(args)
-    tok = Tokenizer.from_file(find_tokenizer(args.ckpt, args.tokenizer))
-    prompt = tok.encode(args.prompt, add_special_tokens=False).ids
+    tokenizer_path = find_tokenizer(args.ckpt, args.tokenizer)
+    tok = Tokenizer.from_file(tokenizer_path)
+    prompt, end = prompt_ids(tok, tokenizer_path, args.prompt, args.chat)
     cfg, files = model_source(args.ckpt, "generate")
     check_fit(args, cfg, tok, len(prompt))
     model = model_from(cfg, files)
-    eos = next((tok.token_to_id(t) for t in KNOWN_EOS if tok.token_to_id(t) is not None), None)
     out, shown, start = [], "", time.perf_counter()
-    sys.stdout.write(args.prompt)
-    for token in generate_ids(
-        model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, eos
-    ):
+    sys.stdout.write("" if args.chat else args.prompt)
+    stops = stop_ids(tok, args.chat)
+    sampling = (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stops)
+    for token in generate_ids(model, prompt, *sampling):
         out.append(token)
-        text = tok.decode(out, skip_special_tokens=True)
+        text, over = visible(tok.decode(out, skip_special_tokens=True), end)
         if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next byte
             sys.stdout.write(text[len(shown) :])
             sys.stdout.flush()
             shown = text
+        if over:  # the template's end-of-turn text, written as plain tokens
+            break
     seconds = time.perf_counter() - start
-    sys.stdout.write(tok.decode(out, skip_special_tokens=True)[len(shown) :] + "\n")
+    text = tok.decode(out, skip_special_tokens=True)
+    sys.stdout.write((text[: text.index(end)] if end and end in text else text)[len(shown) :] + "\n")
     print(
         f"generated {len(out)} tokens in {seconds:.2f} s ({len(out) / max(seconds, 1e-9):.1f} tokens/s)",
         file=sys.stderr,

@@ -372,3 +372,55 @@ TINY_HF_LLAMA = dict(
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
+
+
+# ---------------------------------------------------------------- chat data (prepare-data --chat)
+# A ChatML template (SmolLM2-Instruct's layout: a default system turn, <|im_start|>role ...
+# <|im_end|>) whose assistant replies sit in {% generation %} blocks, so that transformers'
+# apply_chat_template(return_assistant_tokens_mask=True) gives a reference mask computed
+# from the blocks, apart from prepare-data's prefix rendering.
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+WORDS = "the a path file joins returns list of names open read write close value key dict sorted".split()
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict]:
+    """n conversations of 1 to 3 exchanges (some with a system turn), replies of varied length
+    with non-ASCII text, so that windows hold different counts of assistant tokens."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n):
+        messages = [{"role": "system", "content": "Answer briefly."}] if k % 3 == 0 else []
+        for _ in range(rng.randint(1, 3)):
+            ask = " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
+            reply = " ".join(rng.choices(WORDS, k=rng.randint(1, 14))) + rng.choice(["", " é", " 名前", "\n"])
+            messages += [{"role": "user", "content": f"{ask}?"}, {"role": "assistant", "content": reply}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def chat_tokenizer_dir(folder: Path) -> Path:
+    """A Hugging Face tokenizer directory with a chat template: a byte-level BPE of 300 tokens
+    trained on WORDS, <|im_start|> and <|im_end|> added as special tokens, eos <|im_end|>."""
+    from dtensor3d.datasets.tokenizer import train_bpe
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_bpe([" ".join(WORDS) * 20, "é 名前 ?\n Answer briefly. You are a helpful assistant."], 300)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path

@@ -131,12 +131,16 @@ def check_index(root: str, index: dict[str, dict], expected: dict[str, list[int]
         )
 
 
+UNTRAINED = ".e_score_correction_bias"  # parameters without gradient or optimizer state (models/moe.py)
+
+
 def check_optim(step_dir: str, index: dict[str, dict], expected: dict[str, list[int]]) -> None:
-    """Optimizer tensors "<param>.<key>": the same keys for every parameter, each of the
-    parameter's shape or a scalar (AdamW's step), in whole slices."""
+    """Optimizer tensors "<param>.<key>": the same keys for every trained parameter (none for
+    a router's correction bias, which has no gradient), each of the parameter's shape or a
+    scalar (AdamW's step), in whole slices."""
     if not index:
         return
-    keys: dict[str, set] = {name: set() for name in expected}
+    keys: dict[str, set] = {name: set() for name in expected if not name.endswith(UNTRAINED)}
     for entry in index:
         param, _, key = entry.rpartition(".")
         if param not in keys:

@@ -32,6 +32,7 @@ from .hf_names import (
     LLAMA_KEYS,
     MIXTRAL_DEFAULTS,
     PICKLE_SUFFIXES,
+    QWEN3_MOE_KEYS,
     HFSlices,
     hf_shapes,
     to_hf_lazy,
@@ -65,18 +66,52 @@ def _family_fields(cfg, name: str) -> dict:
     if name == "mixtral":
         out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
         out.update(router_jitter_noise=0.0, output_router_logits=False)
+    if name == "qwen3_moe":
+        out.update({key: getattr(cfg, key) for key in QWEN3_MOE_KEYS})
+        out.update(num_experts=cfg.num_local_experts, mlp_only_layers=list(cfg.mlp_only_layers or ()))
+        out.update(moe_intermediate_size=cfg.expert_intermediate_size, output_router_logits=False)
     return out
 
 
+# What each exported MoE family's transformers class cannot hold: (setting, value it must have).
+_NO_DEEPSEEK = {
+    "shared_expert_intermediate_size": 0,
+    "n_shared_experts": 0,
+    "moe_layers": None,
+    "scoring_func": "softmax",
+    "n_group": 1,
+    "routed_scaling_factor": 1.0,
+    "router_bias_update_rate": 0.0,  # balancing gives the router a correction bias
+    "first_k_dense_replace": 0,
+}
+_MOE_FIXED = {
+    "mixtral": {
+        **_NO_DEEPSEEK,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": None,
+        "moe_intermediate_size": 0,
+    },
+    "qwen3_moe": _NO_DEEPSEEK,
+}
+
+
+def _refuse_export(cfg, name: str) -> None:
+    """One line when the model has a switch the family's transformers class lacks."""
+    for key, value in _MOE_FIXED.get(name, {}).items():
+        have = getattr(cfg, key)
+        if have != value and not (key == "mlp_only_layers" and not have):
+            raise CheckpointError(
+                f"model.{key}={have!r}: transformers' {FAMILIES[name].architecture} has no such setting "
+                f"(it needs {value!r}); this model does not export to Hugging Face as {name}"
+            )
+
+
 def hf_config(cfg) -> dict:
-    """config.json for transformers' model class of the family (Mixtral's for experts)."""
-    name = "mixtral" if cfg.num_local_experts else cfg.family
-    if cfg.num_local_experts and (cfg.shared_expert_intermediate_size or cfg.moe_layers is not None):
-        raise CheckpointError(
-            f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
-            f"moe_layers={cfg.moe_layers}: Mixtral has experts in every layer and no shared "
-            f"expert; only such a model exports to Hugging Face"
-        )
+    """config.json for transformers' model class of the family (Mixtral's for a llama with experts)."""
+    name = cfg.family if FAMILIES[cfg.family].experts or not cfg.num_local_experts else "mixtral"
+    if cfg.num_local_experts:
+        _refuse_export(cfg, name)
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     return {
         "architectures": [FAMILIES[name].architecture],
@@ -163,7 +198,7 @@ def model_source(path: str, what: str) -> tuple[ModelConfig, SliceReader]:
     checkpoint (step directory, or checkpoint directory meaning its newest); fully checked."""
     if os.path.isfile(os.path.join(path, "config.json")):
         cfg = read_hf_config(path, what)
-        return cfg, HFSlices(path, hf_index(path, cfg))
+        return cfg, HFSlices(path, hf_index(path, cfg), cfg.family)
     step_dir = resolve(path, what)
     record = check_checkpoint(step_dir, None, hashes=True)
     return model_config(record, os.path.join(step_dir, STATE)), SliceReader(step_dir, record["tensors"]["model"])
@@ -232,7 +267,7 @@ def _shard_names(source: SliceReader, max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _write_hf(source: SliceReader, tmp: str, shards: list[list[str]]) -> list[str]:
+def _write_hf(source: SliceReader, tmp: str, shards: list[list[str]], family: str) -> list[str]:
     """The safetensors files (and the index when there are several) of an export, written
     tensor by tensor: one full tensor in memory at a time."""
     files = (
@@ -243,7 +278,7 @@ def _write_hf(source: SliceReader, tmp: str, shards: list[list[str]]) -> list[st
     weight_map = {}
     with source:
         for file, names in zip(files, shards):
-            tensors = {k: v for n in names for k, v in to_hf_lazy(n, source).items()}
+            tensors = {k: v for n in names for k, v in to_hf_lazy(n, source, family).items()}
             save_tensors(tensors, os.path.join(tmp, file))
             weight_map.update(dict.fromkeys(tensors, file))
     if len(files) > 1:
@@ -264,7 +299,7 @@ def export_hf(ckpt: str, out: str, max_shard_bytes: float = 5_000_000_000) -> li
     with _writing(out, tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        files = _write_hf(source, tmp, _shard_names(source, int(max_shard_bytes)))
+        files = _write_hf(source, tmp, _shard_names(source, int(max_shard_bytes)), config["model_type"])
         write_atomic(os.path.join(tmp, "config.json"), json.dumps(config, indent=1))
         files += _export_tokenizer(source, tmp, cfg)
         if os.path.isdir(out):
@@ -288,11 +323,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _copy_tokenizer_files(hf_dir: str, step_tmp: str) -> None:
-    """The directory's tokenizer (and chat template) into the step directory, listed in its
-    manifest: `generate` and training's checkpoints then find it without --tokenizer."""
+    """The directory's tokenizer (and chat template, a chat_template.jinja folded into
+    tokenizer_config.json) into the step directory, listed in its manifest: `generate` and
+    training's checkpoints then find it without --tokenizer."""
+    from .save import CHAT_TEMPLATE, template_into_config
+
     for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(hf_dir, name)):
+        if name != CHAT_TEMPLATE and os.path.isfile(os.path.join(hf_dir, name)):
             shutil.copyfile(os.path.join(hf_dir, name), os.path.join(step_tmp, name))
+    if os.path.isfile(os.path.join(hf_dir, CHAT_TEMPLATE)):  # JSON only in a step directory
+        template_into_config(os.path.join(hf_dir, CHAT_TEMPLATE), step_tmp)
 
 
 def import_hf(hf_dir: str, out: str) -> str:
@@ -306,7 +346,7 @@ def import_hf(hf_dir: str, out: str) -> str:
     created = not os.path.exists(out)
     with _writing(out, out if created else tmp):
         os.makedirs(tmp)
-        source = HFSlices(hf_dir, index)
+        source = HFSlices(hf_dir, index, cfg.family)
         tensors = {n: (source.dtype(n), source.shape(n), lambda n=n: source.get(n)) for n in expected_shapes(cfg)}
         save_tensors(tensors, os.path.join(tmp, "model-stage00.safetensors"))
         _copy_tokenizer_files(hf_dir, tmp)

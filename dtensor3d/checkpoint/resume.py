@@ -189,7 +189,7 @@ def load_at_start(state) -> None:
             what = f"resumed from {step_dir} at step {state.step}"
         elif recipe.checkpoint.init_from_hf:
             hf_dir = recipe.checkpoint.init_from_hf
-            load_params(state.model, HFSlices(hf_dir, check_hf_init(recipe)))
+            load_params(state.model, HFSlices(hf_dir, check_hf_init(recipe), recipe.model.family))
             what = f"initialised from Hugging Face weights {hf_dir}"
         else:
             return

@@ -114,12 +114,32 @@ def prune(ckpt_dir: str, step: int, keep: int) -> None:
 
 
 TOKENIZER = "tokenizer.json"
+CHAT_TEMPLATE = "chat_template.jinja"
 
 
 def copy_tokenizer(recipe, step_tmp: str) -> None:
     """data.kind tokens over a prepared directory: its tokenizer.json into the step directory
-    (before sealing, so the manifest lists it), for generate and export-hf."""
+    (before sealing, so the manifest lists it), for generate and export-hf; the chat template
+    of data prepared with --chat as tokenizer_config.json's `chat_template` (a step directory
+    holds safetensors and JSON only)."""
     d = recipe.data
-    src = os.path.join(d.path, TOKENIZER) if d.kind == "tokens" and d.path else None
-    if src and os.path.isfile(src):
-        shutil.copyfile(src, os.path.join(step_tmp, TOKENIZER))
+    folder = d.path if d.kind == "tokens" and d.path else None
+    if folder and os.path.isfile(os.path.join(folder, TOKENIZER)):
+        shutil.copyfile(os.path.join(folder, TOKENIZER), os.path.join(step_tmp, TOKENIZER))
+    if folder and os.path.isfile(os.path.join(folder, CHAT_TEMPLATE)):
+        template_into_config(os.path.join(folder, CHAT_TEMPLATE), step_tmp)
+
+
+def template_into_config(template: str, step_tmp: str) -> None:
+    """A chat_template.jinja as `chat_template` of the step directory's tokenizer_config.json
+    (added to the one there, if any), where transformers and generate --chat also look."""
+    config_file = os.path.join(step_tmp, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    with open(template, encoding="utf-8") as f:
+        config["chat_template"] = f.read()
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+        f.write("\n")

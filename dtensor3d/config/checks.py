@@ -119,6 +119,40 @@ def _validate_experts(m: ModelConfig) -> None:
             f"model.moe_layers={list(m.moe_layers)} must list layer indices in 0.."
             f"{m.num_hidden_layers - 1} of a model with experts (num_local_experts > 0)"
         )
+    if m.num_local_experts:
+        _validate_router(m)
+
+
+def _validate_router(m: ModelConfig) -> None:
+    """Group-limited routing, the scaling factor, balancing and the layer pattern (models/moe.py)."""
+    e, groups = m.num_local_experts, m.n_group
+    if e % groups or (groups > 1 and e // groups < 2):
+        valid = ", ".join(str(g) for g in range(1, e + 1) if e % g == 0 and (g == 1 or e // g >= 2))
+        raise RecipeError(
+            f"model.n_group={groups}: num_local_experts={e} must split into n_group groups of "
+            f">= 2 experts (the group score sums its top 2); valid n_group: {valid}"
+        )
+    if m.topk_group > groups:
+        raise RecipeError(f"model.topk_group={m.topk_group} is larger than n_group={groups}; valid: 1..{groups}")
+    if groups > 1 and m.num_experts_per_tok > m.topk_group * (e // groups):
+        raise RecipeError(
+            f"model.num_experts_per_tok={m.num_experts_per_tok}: topk_group={m.topk_group} groups of "
+            f"{e // groups} experts hold only {m.topk_group * (e // groups)}; raise topk_group or lower top-k"
+        )
+    for key in ("routed_scaling_factor", "router_bias_update_rate", "moe_intermediate_size", "n_shared_experts"):
+        if getattr(m, key) < 0 or (key == "routed_scaling_factor" and m.routed_scaling_factor == 0):
+            raise RecipeError(f"model.{key}={getattr(m, key)} must be {'> 0' if key.startswith('routed') else '>= 0'}")
+    if m.n_shared_experts and m.shared_expert_intermediate_size:
+        raise RecipeError(
+            f"model.n_shared_experts={m.n_shared_experts} with shared_expert_intermediate_size="
+            f"{m.shared_expert_intermediate_size}: give one of them (DeepSeek's or Qwen2-MoE's), not both"
+        )
+    bad = [i for i in (m.mlp_only_layers or ()) if not 0 <= i < m.num_hidden_layers]
+    if bad or m.first_k_dense_replace < 0:
+        raise RecipeError(
+            f"model.mlp_only_layers={list(m.mlp_only_layers or ())}, first_k_dense_replace={m.first_k_dense_replace}: "
+            f"layer indices must be in 0..{m.num_hidden_layers - 1}"
+        )
 
 
 def _validate_stages(m: ModelConfig, p: ParallelismConfig) -> None:

@@ -17,6 +17,8 @@ class Family:
     experts: bool = False  # Mixtral's mixture-of-experts names and config keys
     biases: tuple[str, ...] = ()  # which of attention_bias / mlp_bias the family's config class has
     window_switch: bool = False  # sliding_window counts only with use_sliding_window: true (Qwen)
+    hf_moe: str = "block_sparse_moe"  # the MoE block's name there: Mixtral's, or `mlp` (Qwen3-MoE, DeepSeek-V3)
+    correction_bias: bool = False  # the router always has e_score_correction_bias (DeepSeek-V3)
 
 
 FAMILIES = {
@@ -25,6 +27,15 @@ FAMILIES = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, biases=("attention_bias",), window_switch=True),
     "mistral": Family("mistral", "MistralForCausalLM"),
     "mixtral": Family("mixtral", "MixtralForCausalLM", experts=True),
+    "qwen3_moe": Family(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        qk_norm=True,
+        experts=True,
+        biases=("attention_bias",),
+        window_switch=True,
+        hf_moe="mlp",
+    ),
 }
 BY_MODEL_TYPE = {f.model_type: name for name, f in FAMILIES.items()}
 

@@ -25,6 +25,25 @@ HF_DEFAULTS = {
 LLAMA_KEYS = (*HF_DEFAULTS, "num_key_value_heads", "rope_theta")
 # ...and the ones a Mixtral config.json adds (with MixtralConfig's defaults).
 MIXTRAL_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+# ...and a Qwen3-MoE config.json's (Qwen3MoeConfig's defaults; it spells the expert count num_experts).
+QWEN3_MOE_DEFAULTS = {
+    "num_experts_per_tok": 8,
+    "router_aux_loss_coef": 0.001,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768,
+}
+QWEN3_MOE_KEYS = tuple(QWEN3_MOE_DEFAULTS)
+
+
+def _moe_values(hf: dict, kind: str) -> dict:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config.json."""
+    if kind == "mixtral":
+        return {key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()}
+    values = {key: hf.get(key, default) for key, default in QWEN3_MOE_DEFAULTS.items()}
+    values["num_local_experts"] = hf.get("num_experts", hf.get("num_local_experts", 128))
+    values["mlp_only_layers"] = list(hf.get("mlp_only_layers") or ()) or None
+    return values
 
 
 def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
@@ -35,7 +54,7 @@ def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
 
     if kind not in BY_MODEL_TYPE:
         raise refuse("model_type", f"supported model_type: {', '.join(BY_MODEL_TYPE)}")
-    if kind == "mixtral" and hf.get("router_jitter_noise", 0.0):
+    if kind in ("mixtral", "qwen3_moe") and hf.get("router_jitter_noise", 0.0):
         raise refuse("router_jitter_noise", "router noise is not supported; use 0.0")
     if hf.get("hidden_act", "silu") not in ACTIVATIONS:
         raise refuse("hidden_act", f"supported: {', '.join(ACTIVATIONS)} (SwiGLU)")
@@ -72,7 +91,7 @@ def hf_model_values(hf: dict, where: str) -> dict:
     family = FAMILIES[BY_MODEL_TYPE[kind]]
     values = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items()}
     if family.experts:
-        values.update({key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()})
+        values.update(_moe_values(hf, kind))
     values["num_key_value_heads"] = hf.get("num_key_value_heads") or values["num_attention_heads"]
     values["rope_theta"], values["rope_scaling"] = _rope_from_hf(hf, where)
     windowed = hf.get("use_sliding_window", False) if family.window_switch else True

@@ -36,8 +36,22 @@ class ModelConfig:
     router_aux_loss_coef: float = knob(0.001, "weight of Mixtral's load-balancing loss")
     shared_expert_intermediate_size: int = knob(0, "a shared expert's inner width; 0: no shared expert")
     moe_layers: tuple[int, ...] | None = knob(None, "the layers with experts; null: every layer")
+    # Routers and layer patterns of Qwen3-MoE and DeepSeek-V3 (models/moe.py), by their config.json names.
+    moe_intermediate_size: int = knob(0, "each routed expert's inner width; 0: intermediate_size")
+    norm_topk_prob: bool = knob(True, "renormalise the top-k routing weights to sum to one")
+    scoring_func: Literal["softmax", "sigmoid"] = knob("softmax", "router scores: softmax (Mixtral, Qwen) or sigmoid")
+    n_group: int = knob(1, "expert groups for group-limited routing (DeepSeek-V3); 1: no groups", positive=True)
+    topk_group: int = knob(1, "groups a token may route to (by each group's top-2 score sum)", positive=True)
+    routed_scaling_factor: float = knob(1.0, "routed experts' weights are multiplied by this")
+    n_shared_experts: int = knob(0, "shared experts of width moe_intermediate_size each (DeepSeek-V3)")
+    first_k_dense_replace: int = knob(0, "the first k layers are dense (DeepSeek-V3)")
+    decoder_sparse_step: int = knob(1, "every n-th layer has experts (Qwen MoE)", positive=True)
+    mlp_only_layers: tuple[int, ...] | None = knob(None, "layers kept dense (Qwen MoE); null: none")
+    router_bias_update_rate: float = knob(
+        0.0, "aux-loss-free balancing: the correction bias moves by this x sign(mean - load) each step; 0: off"
+    )
     # The model family (config/families.py) and Hugging Face's switches, by their config.json names.
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral"] = knob(
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] = knob(
         "llama", "the architecture (README: Model families); its Hugging Face model_type on export"
     )
     head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
@@ -54,8 +68,31 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     def is_moe_layer(self, index: int) -> bool:
-        """Layers with experts: all of them when the model has experts, unless moe_layers lists some."""
-        return bool(self.num_local_experts) and (self.moe_layers is None or index in self.moe_layers)
+        """Layers with experts: all of them when the model has experts, unless moe_layers lists
+        some; less the first first_k_dense_replace, mlp_only_layers and those off decoder_sparse_step."""
+        return (
+            bool(self.num_local_experts)
+            and (self.moe_layers is None or index in self.moe_layers)
+            and index >= self.first_k_dense_replace
+            and index not in (self.mlp_only_layers or ())
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """The shared expert's inner width: DeepSeek's n_shared_experts x moe width, or Qwen2-MoE's own."""
+        return self.n_shared_experts * self.expert_intermediate_size or self.shared_expert_intermediate_size
+
+    @property
+    def correction_bias(self) -> bool:
+        """The router has e_score_correction_bias (DeepSeek-V3's, or for aux-loss-free balancing)."""
+        return bool(self.num_local_experts) and (
+            FAMILIES[self.family].correction_bias or self.router_bias_update_rate > 0
+        )
 
     @property
     def qkv_bias(self) -> bool:
@@ -288,6 +325,8 @@ class LoggingConfig:
     tensorboard: bool = knob(False, "TensorBoard events in <run_dir>/tensorboard (the `tensorboard` extra)")
     profile_steps: tuple[int, ...] | None = knob(None, "[first, last]: a torch.profiler trace per rank of those steps")
     layout: bool = knob(False, "<run_dir>/layout/rank<R>.json: how each rank holds every parameter")
+    expert_load_warn: float = knob(4.0, "warn when a MoE layer's max/mean tokens per expert stays above this; 0: never")
+    expert_load_warn_steps: int = knob(20, "...for this many consecutive steps", positive=True)
 
 
 @dataclass(frozen=True)
@@ -355,4 +394,9 @@ POSITIVE = {
     for section, cls in _SECTION_CLASSES.items()
 }
 
-EXPERT_ONLY = ("num_experts_per_tok", "router_aux_loss_coef", "shared_expert_intermediate_size")
+# The model settings that only a model with experts may give (a dense recipe is refused them).
+EXPERT_ONLY = tuple(
+    "num_experts_per_tok router_aux_loss_coef shared_expert_intermediate_size moe_intermediate_size "
+    "norm_topk_prob scoring_func n_group topk_group routed_scaling_factor n_shared_experts "
+    "first_k_dense_replace decoder_sparse_step mlp_only_layers router_bias_update_rate".split()
+)

@@ -29,6 +29,15 @@ def add_prepare_parser(sub) -> None:
         default="replace",
         help="a file that does not decode: replace (U+FFFD, named in the summary), skip (named), strict (error)",
     )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="rows of .jsonl 'messages', rendered with the chat template, with a loss mask",
+    )
+    p.add_argument(
+        "--loss-roles", default="assistant", help="--chat: comma-separated roles whose tokens count in the loss"
+    )
+    p.add_argument("--chat-template", help="--chat: a Jinja template file (default: the tokenizer's own)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (shown only when stderr is a terminal)")
 
 
@@ -52,6 +61,9 @@ def run_prepare(args) -> None:
         split=args.split,
         encoding=args.encoding,
         encoding_errors=args.encoding_errors,
+        chat=args.chat,
+        loss_roles=tuple(r.strip() for r in args.loss_roles.split(",")),
+        chat_template=args.chat_template,
     )
     if options.hf_dataset is not None and options.inputs:
         raise DataError("prepare-data: give INPUT files or --hf-dataset, not both")

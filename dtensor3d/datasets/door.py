@@ -1,7 +1,7 @@
 """Data checks at the door: everything about data.path that can be seen before any process
 group starts, each a DataError naming the key or file, the value and what is valid.
 
-A prepared directory: meta.json readable, every shard and offsets file there with the size
+A prepared directory: meta.json readable, every shard, loss mask and offsets file there with the size
 meta.json records (and, with `hashes`, the sha256 it records: validate / launch.sh), its
 vocabulary within model.vocab_size, at least one sample of training tokens, and the
 validation windows a run with eval_every > 0 reads. One token file: .npy of an integer
@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from ..errors import DataError
-from .tokendir import META, docs_name, read_meta, sha256_file
+from .tokendir import META, docs_name, mask_name, read_meta, sha256_file
 
 BLOCK = 1 << 24  # tokens per block of the id range check
 
@@ -78,6 +78,8 @@ def check_token_file(path: str, sequence_length: int, vocab: int) -> None:
 def _check_files(path: str, meta: dict, split: str, hashes: bool) -> None:
     entry, itemsize = meta["splits"][split], np.dtype(meta["dtype"]).itemsize
     expected = [(s["file"], s["tokens"] * itemsize, s.get("sha256")) for s in entry["shards"]]
+    if "loss_mask" in meta:  # prepare-data --chat: one uint8 per token beside each shard
+        expected += [(mask_name(s["file"]), s["tokens"], s.get("mask_sha256")) for s in entry["shards"]]
     expected.append((entry.get("docs", docs_name(split)), (entry.get("documents", 0) + 1) * 8, None))
     for name, size, digest in expected:
         file = os.path.join(path, name)

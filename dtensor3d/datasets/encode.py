@@ -45,6 +45,7 @@ class Chunk:
 
     tokens: dict[str, np.ndarray] = field(default_factory=dict)
     lengths: dict[str, np.ndarray] = field(default_factory=dict)
+    masks: dict[str, np.ndarray] = field(default_factory=dict)  # --chat: 1 where a token counts in the loss
     bytes_read: int = 0
     binary: int = 0
     empty: int = 0
@@ -64,20 +65,62 @@ class Chunk:
 NAMED = 3  # files named per kind in prepare-data's summary (then a count)
 
 
-def _row_text(line: bytes, text_field: str, where: str) -> str:
+def _row(line: bytes, where: str) -> object:
     try:
-        row = json.loads(line)
+        return json.loads(line)
     except ValueError as e:
         raise DataError(f"{where}: not a JSON object ({e})") from None
+
+
+def _row_text(line: bytes, text_field: str, where: str) -> str:
+    row = _row(line, where)
     if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
         what = f"keys: {sorted(row)[:8]}" if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
         raise DataError(f"{where}: no string field {text_field!r} (--text-field); {what}")
     return row[text_field]
 
 
-def task_texts(task: tuple, text_field: str, chunk: Chunk, decoding: Decoding = UTF8) -> list[str | bytes]:
-    """The documents of one task, in order; counts bytes and names skipped files in `chunk`."""
+class Rendered(str):
+    """A conversation rendered with its chat template; `spans`: the characters that count in
+    the loss (datasets/chat.py). Everywhere else it is the document's text."""
+
+    spans: list[tuple[int, int]]
+
+
+class ChatRows:
+    """--chat: a .jsonl row -> its conversation, Rendered (picklable; the template compiles lazily)."""
+
+    def __init__(self, template, roles: tuple[str, ...]):
+        self.template, self.roles, self._render = template, roles, None
+
+    def __getstate__(self):
+        return {"template": self.template, "roles": self.roles, "_render": None}
+
+    def __call__(self, line: bytes, where: str) -> Rendered:
+        from .chat import Renderer, conversation_spans, row_messages
+
+        if self._render is None:
+            self._render = Renderer(self.template)
+        messages = row_messages(_row(line, where), where, self.roles)
+        text, spans = conversation_spans(self._render, messages, self.roles, where)
+        rendered = Rendered(text)
+        rendered.spans = spans
+        return rendered
+
+
+def task_texts(
+    task: tuple, text_field: str, chunk: Chunk, decoding: Decoding = UTF8, chat: ChatRows | None = None
+) -> list[str | bytes]:
+    """The documents of one task, in order; counts bytes and names skipped files in `chunk`.
+    With `chat`, every input is a .jsonl of conversations and each row is one, Rendered."""
     kind = task[0]
+    if chat is not None and kind != "jsonl":
+        where = task[1][0] if kind == "files" else task[1]
+        raise DataError(f"--chat: {where!r} is not a .jsonl file; --chat reads .jsonl rows holding 'messages'")
+    if chat is not None:
+        _, path, first, lines = task
+        chunk.bytes_read += sum(len(line) for line in lines)
+        return [chat(ln, f"{path}:{first + i}") for i, ln in enumerate(lines) if ln.strip()]
     if kind == "files":
         texts = []
         for path in task[1]:
@@ -101,17 +144,26 @@ class Encoder:
     """Turns tasks into Chunks with one tokenizer (a tokenizer.json string, so it pickles)."""
 
     def __init__(self, tokenizer_json: str, eos_id: int, dtype: str, val_fraction: float, seed: int, text_field: str,
-                 decoding: Decoding = UTF8):  # fmt: skip
+                 decoding: Decoding = UTF8, chat: ChatRows | None = None):  # fmt: skip
         from tokenizers import Tokenizer
+
+        from .chat import chat_tokenizer
 
         self.tok = Tokenizer.from_str(tokenizer_json)
         self.tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a document is text, not EOS
         self.eos, self.dtype = eos_id, np.dtype(dtype)
         self.val_fraction, self.seed, self.text_field, self.decoding = val_fraction, seed, text_field, decoding
+        self.chat = chat  # --chat: the template's special tokens are recognised in the rendering
+        self.chat_tok = chat_tokenizer(tokenizer_json) if chat is not None else None
 
-    def encode(self, texts: list[str | bytes]) -> list[list[int]]:
+    def encode(self, texts: list[str | bytes]) -> list[list[int]] | list[tuple[list[int], np.ndarray]]:
         """The ids of each text (one encode_batch_fast call: the Rust tokenizer's threads); a
-        document kept as raw bytes (the byte tokenizer only) is its byte values."""
+        document kept as raw bytes (the byte tokenizer only) is its byte values. With --chat,
+        (ids, loss mask) of each conversation."""
+        if self.chat is not None:
+            from .chat import encode_conversations
+
+            return encode_conversations(self.chat_tok, list(texts), [t.spans for t in texts])
         strings = [t for t in texts if isinstance(t, str)]
         encoded = iter(self.tok.encode_batch_fast(strings, add_special_tokens=False) if strings else [])
         return [next(encoded).ids if isinstance(t, str) else list(t) for t in texts]
@@ -126,11 +178,21 @@ class Encoder:
             flat[start : start + len(x)] = x
         return flat, lengths
 
+    def put(self, chunk: Chunk, split: str, encoded: list) -> None:
+        """One split's encoded documents into `chunk` (with --chat their masks too: the EOS
+        after each conversation does not count)."""
+        if self.chat is None:
+            chunk.tokens[split], chunk.lengths[split] = self.flat(encoded)
+            return
+        chunk.tokens[split], chunk.lengths[split] = self.flat([ids for ids, _ in encoded])
+        zero = np.zeros(1, np.uint8)
+        chunk.masks[split] = np.concatenate([x for _, m in encoded for x in (m, zero)] or [np.zeros(0, np.uint8)])
+
     def read(self, tasks: list[tuple]) -> tuple[Chunk, dict[str, list[str]]]:
         """The documents of `tasks`, in order, per split; the counts in a fresh Chunk."""
         chunk, split = Chunk(), {"train": [], "val": []}
         for task in tasks:
-            texts = task_texts(task, self.text_field, chunk, self.decoding)
+            texts = task_texts(task, self.text_field, chunk, self.decoding, self.chat)
             kept = [t for t in texts if t]
             chunk.empty += len(texts) - len(kept)
             for text in kept:
@@ -140,8 +202,8 @@ class Encoder:
     def fill(self, chunk: Chunk, split: dict[str, list[str]]) -> Chunk:
         """Encode both splits in one batch and put their token arrays into `chunk`."""
         ids, n = self.encode(split["train"] + split["val"]), len(split["train"])
-        chunk.tokens["train"], chunk.lengths["train"] = self.flat(ids[:n])
-        chunk.tokens["val"], chunk.lengths["val"] = self.flat(ids[n:])
+        self.put(chunk, "train", ids[:n])
+        self.put(chunk, "val", ids[n:])
         return chunk
 
     def __call__(self, task: tuple) -> Chunk:

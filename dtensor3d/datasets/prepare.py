@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import DataError
 from . import inputs, tokenizer
-from .encode import NAMED, Chunk, Encoder, in_validation, init_worker, run_task, task_texts
+from .encode import NAMED, ChatRows, Chunk, Encoder, in_validation, init_worker, run_task, task_texts
 from .tokendir import META, SPLITS, TOKENIZER, ShardWriter, token_dtype
 
 
@@ -47,6 +47,9 @@ class PrepareOptions:
     split: str = "train"
     encoding: str = "utf-8"  # of plain text files
     encoding_errors: str = "replace"  # replace | skip | strict: a file that does not decode
+    chat: bool = False  # .jsonl rows of `messages`, rendered with the chat template, with a loss mask
+    loss_roles: tuple[str, ...] = ("assistant",)  # --chat: the roles whose tokens count in the loss
+    chat_template: str | None = None  # --chat: a template file (default: the tokenizer's own)
 
     def decoding(self) -> inputs.Decoding:
         return inputs.Decoding(self.encoding, self.encoding_errors, raw_bytes=self.tokenizer == "byte")
@@ -70,6 +73,22 @@ def check_options(o: PrepareOptions) -> None:
         codecs.lookup(o.encoding)
     except LookupError:
         raise DataError(f"--encoding {o.encoding!r}: not a Python codec name (e.g. utf-8, latin-1, cp1252)") from None
+    if (o.chat_template is not None or o.loss_roles != ("assistant",)) and not o.chat:
+        raise DataError("--chat-template and --loss-roles apply to --chat only; add --chat")
+    if o.chat and (o.hf_dataset is not None or not all(o.loss_roles)):
+        raise DataError("--chat reads .jsonl files of conversations (not --hf-dataset) and needs --loss-roles names")
+
+
+def chat_rows(o: PrepareOptions) -> ChatRows | None:
+    """--chat: the template (checked to compile) and the roles, before anything is written."""
+    if not o.chat:
+        return None
+    from .chat import Renderer, find_template
+
+    path = None if o.tokenizer in (None, "byte") else o.tokenizer
+    template = find_template(path, o.chat_template)
+    Renderer(template)
+    return ChatRows(template, o.loss_roles)
 
 
 SYSTEM_TREES = ("/proc", "/sys", "/dev")  # never a place for a prepared directory
@@ -126,17 +145,17 @@ def check_out(out: str, overwrite: bool) -> None:
         raise DataError(f"--out {out!r}: directory {parent!r} is not writable")
 
 
-def _training_texts(tasks: Iterator[tuple], o: PrepareOptions) -> Iterator[str]:
+def _training_texts(tasks: Iterator[tuple], o: PrepareOptions, chat: ChatRows | None) -> Iterator[str]:
     for task in tasks:
-        for text in task_texts(task, o.text_field, Chunk(), o.decoding()):
+        for text in task_texts(task, o.text_field, Chunk(), o.decoding(), chat):
             if isinstance(text, str) and text and not in_validation(text, o.val_fraction, o.seed):
                 yield text
 
 
-def build_tokenizer(o: PrepareOptions, tasks) -> tuple[object, tokenizer.Eos, dict]:
+def build_tokenizer(o: PrepareOptions, tasks, chat: ChatRows | None = None) -> tuple[object, tokenizer.Eos, dict]:
     """(tokenizer, its end-of-document token, meta's "tokenizer" entry)."""
     if o.train_tokenizer is not None:
-        tok = tokenizer.train_bpe(_training_texts(tasks(), o), o.train_tokenizer)
+        tok = tokenizer.train_bpe(_training_texts(tasks(), o, chat), o.train_tokenizer)
         kind = {"kind": "bpe", "trained_vocab": o.train_tokenizer}
     elif o.tokenizer == "byte":
         tok, kind = tokenizer.byte_tokenizer(), {"kind": "byte"}
@@ -179,13 +198,13 @@ def _progress(o: PrepareOptions, total: int | None):
 
 def write_splits(o: PrepareOptions, tmp: str, tasks, encoder_args: tuple, total: int | None) -> dict:
     """Encode every task into the shards under `tmp`; the counts meta.json records."""
-    writers = {s: ShardWriter(tmp, s, encoder_args[2], o.shard_tokens) for s in SPLITS}
+    writers = {s: ShardWriter(tmp, s, encoder_args[2], o.shard_tokens, masked=o.chat) for s in SPLITS}
     counts = {"bytes": 0, "binary_skipped": 0, "undecodable_skipped": 0, "empty_skipped": 0, "replaced": 0}
     counts.update(max_token_id=-1, named={})
     with _progress(o, total) as bar:
         for chunk in chunks(tasks(), encoder_args, o.workers):
             for s in SPLITS:
-                writers[s].write(chunk.tokens[s], chunk.lengths[s])
+                writers[s].write(chunk.tokens[s], chunk.lengths[s], chunk.masks.get(s))
                 if len(chunk.tokens[s]):
                     counts["max_token_id"] = max(counts["max_token_id"], int(chunk.tokens[s].max()))
             counts["bytes"] += chunk.bytes_read
@@ -250,8 +269,9 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
     check_options(o)
     tasks, named_inputs, total = _task_source(o)
     check_out(o.out, o.overwrite)
+    chat = chat_rows(o)
     start = time.perf_counter()
-    tok, eos, tok_entry = build_tokenizer(o, tasks)
+    tok, eos, tok_entry = build_tokenizer(o, tasks, chat)
     if seconds is not None:
         seconds["tokenizer"] = time.perf_counter() - start
     vocab = tokenizer.vocab_size(tok)
@@ -259,7 +279,7 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
     tmp = _make_tmp(o.out)
     try:
         tok.save(os.path.join(tmp, TOKENIZER))
-        args = (tok.to_str(), eos.id, dtype, o.val_fraction, o.seed, o.text_field, o.decoding())
+        args = (tok.to_str(), eos.id, dtype, o.val_fraction, o.seed, o.text_field, o.decoding(), chat)
         written = write_splits(o, tmp, tasks, args, total)
         if written["splits"]["train"]["tokens"] == 0:
             raise DataError(
@@ -268,6 +288,8 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
         meta = {"format": "dtensor3d-tokens", "version": 1, "tokenizer": tok_entry, "vocab_size": vocab}
         meta.update({"dtype": dtype, "val_fraction": o.val_fraction, "split_seed": o.seed, "inputs": named_inputs})
         meta.update(written, encoding=o.encoding, encoding_errors=o.encoding_errors)
+        if chat is not None:
+            meta["loss_mask"] = write_template(tmp, chat)
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
@@ -275,6 +297,16 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def write_template(tmp: str, chat: ChatRows) -> dict:
+    """--chat: the template beside tokenizer.json (generate --chat and export-hf find it there);
+    meta.json's "loss_mask" entry."""
+    from .chat import TEMPLATE_FILE
+
+    with open(os.path.join(tmp, TEMPLATE_FILE), "w", encoding="utf-8") as f:
+        f.write(chat.template.source)
+    return {"roles": list(chat.roles), "chat_template": TEMPLATE_FILE, "template_origin": chat.template.origin}
 
 
 def _skipped(meta: dict) -> str:

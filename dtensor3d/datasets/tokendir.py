@@ -6,6 +6,10 @@
     DIR/train_docs.bin         int64 document offsets into the split's stream: n_documents + 1
                                entries, 0 first; document k is tokens [off[k], off[k+1]), its EOS last
     DIR/val_00000.bin, val_docs.bin   the same for the validation split
+    DIR/train_00000.mask ...   (prepare-data --chat) one uint8 per token of the shard beside it:
+                               1 where the token counts in the loss as a target; meta.json's
+                               "loss_mask" names the roles counted, each shard entry its "mask"
+    DIR/chat_template.jinja    (--chat) the template the conversations were rendered with
 
 Each split is one stream: its shards concatenated in order. Everything is raw little-endian
 arrays (memory-mappable, nothing to unpickle).
@@ -34,6 +38,11 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:05d}.bin"
 
 
+def mask_name(shard: str) -> str:
+    """The loss-mask file beside a token shard: train_00000.bin -> train_00000.mask."""
+    return shard[: -len(".bin")] + ".mask"
+
+
 def docs_name(split: str) -> str:
     return f"{split}_docs.bin"
 
@@ -42,10 +51,11 @@ class ShardWriter:
     """Appends token arrays to one split's shards (at most `shard_tokens` each) and its
     document offsets, hashing as it writes; `close()` returns the split's meta entry."""
 
-    def __init__(self, folder: str, split: str, dtype: str, shard_tokens: int):
+    def __init__(self, folder: str, split: str, dtype: str, shard_tokens: int, masked: bool = False):
         self.folder, self.split, self.dtype, self.limit = folder, split, np.dtype(dtype), shard_tokens
         self.shards: list[dict] = []
         self.file, self.hash, self.in_shard = None, None, 0
+        self.masked, self.mask_file, self.mask_hash = masked, None, None
         self.tokens = self.documents = 0
         self.docs = open(os.path.join(folder, docs_name(split)), "wb")
         self.docs.write(np.zeros(1, "<i8").tobytes())
@@ -56,25 +66,37 @@ class ShardWriter:
             name = shard_name(self.split, len(self.shards))
             self.shards.append({"file": name, "tokens": self.in_shard, "bytes": self.in_shard * self.dtype.itemsize})
             self.shards[-1]["sha256"] = self.hash.hexdigest()
+            if self.masked:
+                self.mask_file.close()
+                self.shards[-1].update(mask=mask_name(name), mask_sha256=self.mask_hash.hexdigest())
         self.file, self.hash, self.in_shard = None, None, 0
 
-    def _write_tokens(self, tokens: np.ndarray) -> None:
+    def _open_shard(self) -> None:
+        name = shard_name(self.split, len(self.shards))
+        self.file, self.hash = open(os.path.join(self.folder, name), "wb"), hashlib.sha256()
+        if self.masked:
+            self.mask_file, self.mask_hash = open(os.path.join(self.folder, mask_name(name)), "wb"), hashlib.sha256()
+
+    def _write_tokens(self, tokens: np.ndarray, mask: np.ndarray | None) -> None:
         data = tokens.astype(self.dtype.newbyteorder("<"), copy=False)
         while len(data):
             if self.file is None:
-                self.file = open(os.path.join(self.folder, shard_name(self.split, len(self.shards))), "wb")
-                self.hash = hashlib.sha256()
+                self._open_shard()
             part = data[: self.limit - self.in_shard]
-            raw = part.tobytes()
-            self.file.write(raw)
-            self.hash.update(raw)
+            for file, digest, raw in [(self.file, self.hash, part.tobytes())] + (
+                [(self.mask_file, self.mask_hash, mask[: len(part)].astype(np.uint8).tobytes())] if self.masked else []
+            ):
+                file.write(raw)
+                digest.update(raw)
             self.in_shard += len(part)
-            data = data[len(part) :]
+            data, mask = data[len(part) :], mask[len(part) :] if self.masked else None
             if self.in_shard == self.limit:
                 self._finish_shard()
 
-    def write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        self._write_tokens(tokens)
+    def write(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+        if self.masked and (mask is None or len(mask) != len(tokens)):
+            raise ValueError(f"a loss mask of {None if mask is None else len(mask)} entries for {len(tokens)} tokens")
+        self._write_tokens(tokens, mask)
         self.docs.write((self.tokens + np.cumsum(lengths)).astype("<i8").tobytes())
         self.tokens += len(tokens)
         self.documents += len(lengths)

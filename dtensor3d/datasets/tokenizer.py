@@ -149,4 +149,12 @@ def write_hf_tokenizer(tokenizer_json: str, out: str, max_length: int | None = N
     with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
         f.write("\n")
-    return ["tokenizer.json", "tokenizer_config.json"]
+    try:  # a chat template beside the tokenizer (a --chat checkpoint's): where transformers reads it
+        from .chat import find_template
+
+        template = find_template(tokenizer_file(tokenizer_json)).source
+    except DataError:
+        return ["tokenizer.json", "tokenizer_config.json"]
+    with open(os.path.join(out, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(template)
+    return ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]

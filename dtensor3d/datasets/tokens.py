@@ -15,6 +15,10 @@ the rank, or the samples drawn before it. Each epoch gets a fresh permutation.
 Validation (`ValidationWindows`): the validation stream's windows in order, 0..count-1,
 the same fixed list at every mesh.
 
+Loss masks (a directory prepare-data --chat wrote): both kinds of windows are `masked` and
+`loss_mask(i)` gives the uint8 mask of sample i's L + 1 tokens (1: the token counts in the
+loss as a target), read from the mask files beside the shards at the same positions.
+
 Documents (data.document_masking): `documents(i)` gives each token of window i its position
 within its document and its document's number within the window (`window_documents`, from
 the split's document offsets). A window that begins inside a document treats that part as a
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .tokendir import docs_name, read_meta
+from .tokendir import docs_name, mask_name, read_meta
 
 MASK64 = (1 << 64) - 1
 
@@ -91,22 +95,24 @@ class TokenStream:
         self.docs_file = os.path.join(path, entry.get("docs", docs_name(split)))
         self._offsets = None
         dtype = np.dtype(meta["dtype"]).newbyteorder("<")
-        self.shards = [
-            np.memmap(os.path.join(path, s["file"]), dtype=dtype, mode="r") if s["tokens"] else np.zeros(0, dtype)
-            for s in entry["shards"]
-        ]
+        self.shards = [_memmap(path, s["file"], dtype, s["tokens"]) for s in entry["shards"]]
+        self.masked = "loss_mask" in meta
+        shards = entry["shards"] if self.masked else []
+        self.masks = [_memmap(path, mask_name(s["file"]), np.uint8, s["tokens"]) for s in shards]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.tokens = int(self.starts[-1])
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) as int64, across shard boundaries."""
+    def read(self, start: int, length: int, masks: bool = False) -> np.ndarray:
+        """Tokens [start, start + length) as int64, across shard boundaries (with `masks`:
+        their loss mask, uint8)."""
         if start < 0 or start + length > self.tokens:
             raise IndexError(f"tokens [{start}, {start + length}) outside 0..{self.tokens}")
+        files = self.masks if masks else self.shards
         out, k = [], int(np.searchsorted(self.starts, start, side="right")) - 1
         while length > 0:
             offset = start - int(self.starts[k])
-            part = self.shards[k][offset : offset + length]
-            out.append(np.asarray(part, dtype=np.int64))
+            part = files[k][offset : offset + length]
+            out.append(np.array(part, dtype=np.uint8) if masks else np.asarray(part, dtype=np.int64))
             start, length, k = start + len(part), length - len(part), k + 1
         return np.concatenate(out) if len(out) > 1 else out[0]
 
@@ -115,6 +121,11 @@ class TokenStream:
         if self._offsets is None:
             self._offsets = np.memmap(self.docs_file, dtype="<i8", mode="r")
         return window_documents(self._offsets, start, length)
+
+
+def _memmap(path: str, name: str, dtype, tokens: int) -> np.ndarray:
+    """A shard (or its mask) memory-mapped; an empty one as an empty array."""
+    return np.memmap(os.path.join(path, name), dtype=dtype, mode="r") if tokens else np.zeros(0, dtype)
 
 
 class TrainWindows:
@@ -138,9 +149,16 @@ class TrainWindows:
             self._perm, self._perm_epoch = FeistelPermutation(self.windows, self.seed, e), e
         return self._perm(i % self.windows)
 
+    @property
+    def masked(self) -> bool:
+        return self.stream.masked
+
     def __call__(self, i: int) -> torch.Tensor:
         start = self.window(i) * self.length
         return torch.from_numpy(self.stream.read(start, self.length + 1))
+
+    def loss_mask(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(self.stream.read(self.window(i) * self.length, self.length + 1, masks=True))
 
     def documents(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, document ids) [L + 1] of sample i's tokens (module docstring)."""
@@ -160,9 +178,16 @@ class ValidationWindows:
                 f"sample of {sequence_length + 1}"
             )
 
+    @property
+    def masked(self) -> bool:
+        return self.stream.masked
+
     def __call__(self, j: int) -> torch.Tensor:
         start = (j % self.count) * self.length
         return torch.from_numpy(self.stream.read(start, self.length + 1))
+
+    def loss_mask(self, j: int) -> torch.Tensor:
+        return torch.from_numpy(self.stream.read((j % self.count) * self.length, self.length + 1, masks=True))
 
     def documents(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, document ids) [L + 1] of sample j's tokens (module docstring)."""

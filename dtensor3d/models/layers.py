@@ -113,6 +113,24 @@ class SequenceLayout:
         return t, 1
 
 
+class TokenShare:
+    """Which of a microbatch's tokens this rank routes through the experts. The default is
+    the single-device one: all of them. Tensor parallelism (parallel/expert.py) supplies a
+    subclass that gives each tp rank a disjoint share."""
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, h] -> this rank's tokens [T_r, h]."""
+        return x
+
+    def gather(self, y: torch.Tensor, total: int) -> torch.Tensor:
+        """This rank's outputs [T_r, h] -> every token's [total, h]."""
+        return y
+
+    def sum_over_shares(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(t summed over the ranks sharing the tokens, their count); differentiable."""
+        return t, 1
+
+
 # dispatch(experts, tokens sorted by expert [T, h], tokens per expert [E]) -> expert outputs [T, h]
 ExpertDispatch = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -123,6 +141,7 @@ class ModelHooks:
 
     sequence:         context parallelism's token layout and attention (default: all tokens here)
     expert_dispatch:  expert parallelism's route to the experts (None: all experts here)
+    tokens:           tensor parallelism's share of the tokens each rank routes (default: all)
     aux_loss_scale:   gradient scale of the MoE balance loss (coef / microbatches per step;
                       0: no balance loss, as in a forward-only model)
     recompute:        "none", "full" (keep only each decoder layer's input for backward) or
@@ -131,6 +150,7 @@ class ModelHooks:
 
     sequence: SequenceLayout = field(default_factory=SequenceLayout)
     expert_dispatch: ExpertDispatch | None = None
+    tokens: TokenShare = field(default_factory=TokenShare)
     aux_loss_scale: float = 0.0
     recompute: str = "none"
 
@@ -182,4 +202,4 @@ def init_std(name: str) -> float | None:
     """Initial std of a parameter by name; None means ones (norm weights), 0.0 zeros (biases)."""
     if name.endswith("norm.weight"):
         return None
-    return 0.0 if name.endswith(".bias") else 0.02
+    return 0.0 if name.endswith((".bias", "e_score_correction_bias")) else 0.02

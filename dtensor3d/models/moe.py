@@ -7,8 +7,9 @@ MoE layers.
 
 Single-device code. What a parallelism changes comes in through `ModelHooks`
 (models/layers.py): expert parallelism's `expert_dispatch` (the route of the sorted tokens
-to the experts) and context parallelism's `sequence.sum_over_sequence` (the routing
-statistics of a sequence spread over several ranks).
+to the experts), tensor parallelism's `tokens` (each tp rank routes a disjoint share) and
+context parallelism's `sequence.sum_over_sequence` (the routing statistics of a sequence
+spread over several ranks).
 """
 
 from __future__ import annotations
@@ -88,16 +89,58 @@ class AddAuxLoss(torch.autograd.Function):
         return g, torch.full_like(aux_loss, ctx.scale), None
 
 
+class Router(nn.Module):
+    """Scores every expert per token and picks top_k, as transformers' routers compute it.
+
+    softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3) scores; with `e_score_correction_bias`
+    (DeepSeek-V3; aux-loss-free balancing) the bias is added for the choice only; with n_group > 1
+    a token may only pick experts in its topk_group best groups (a group's score: the sum of its
+    top 2); weights are the chosen scores, renormalised (norm_topk_prob) and scaled
+    (routed_scaling_factor). The bias is a parameter without gradient: model state that init,
+    checkpoints, resharding and export see by name; the trainer moves it (training/balance.py)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k, self.sigmoid = cfg.num_experts_per_tok, cfg.scoring_func == "sigmoid"
+        self.n_group, self.topk_group, self.norm = cfg.n_group, cfg.topk_group, cfg.norm_topk_prob
+        self.scale = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.num_local_experts, cfg.hidden_size))
+        if cfg.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_local_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, h] -> (scores [T, E] fp32, weights [T, k] fp32, chosen experts [T, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
+        choice = scores
+        if hasattr(self, "e_score_correction_bias"):
+            choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            choice = self._limit_groups(choice.detach())
+        chosen = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+        return scores, weights * self.scale, chosen
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with the experts outside each token's topk_group best groups at -inf."""
+        grouped = choice.reshape(choice.shape[0], self.n_group, -1)  # [T, groups, E / groups]
+        best = grouped.topk(2, dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1)[1]  # [T, topk_group]
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).reshape(choice.shape)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg, hooks: ModelHooks | None = None):
         super().__init__()
         self.hooks = hooks or ModelHooks()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
-        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.expert_intermediate_size)
         self.shared_expert = None
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+        if cfg.shared_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_intermediate_size)
         # Statistics: the last forward's (detached), and one (aux, load) record per real
         # forward (`record` is called by the decoder layer, not by recomputation). The
         # trainer takes the last n-microbatches records (`take_records`): a pipeline
@@ -118,10 +161,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])  # [T, h]
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
-        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        x = self.hooks.tokens.split(x.reshape(-1, shape[-1]))  # [T, h]: this rank's share of the tokens
+        probs, weights, chosen = self.gate(x)  # [T, E], [T, k], [T, k]
+        weights = weights.to(x.dtype)
         flat = chosen.reshape(-1)  # [T * k]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -133,15 +175,17 @@ class MoE(nn.Module):
         aux = self._balance_loss(probs, counts)
         if torch.is_grad_enabled() and self.hooks.aux_loss_scale:
             out = AddAuxLoss.apply(out, aux, self.hooks.aux_loss_scale)
-        return out.reshape(shape)
+        return self.hooks.tokens.gather(out, shape[:-1].numel()).reshape(shape)
 
     def _balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Switch-style loss over the microbatch's whole token set, as Hugging Face Mixtral
         computes it: E * sum_e f_e * P_e, f_e = routed slots of expert e per token, P_e the
         mean router probability of e. Returns the part this rank backpropagates."""
         sums = torch.cat([counts.to(probs.dtype), probs.new_tensor([probs.shape[0]]), probs.sum(0)])
-        # Context parallelism: the sequence's tokens are spread over ranks; sum their statistics.
+        # Context and tensor parallelism: the microbatch's tokens are spread over ranks; sum their statistics.
         sums, share = self.hooks.sequence.sum_over_sequence(sums)
+        sums, tp_share = self.hooks.tokens.sum_over_shares(sums)
+        share *= tp_share
         e = self.num_experts
         slots, tokens, prob_sum = sums[:e].detach(), sums[e].detach(), sums[e + 1 :]
         aux = e * ((slots / tokens) * (prob_sum / tokens)).sum()

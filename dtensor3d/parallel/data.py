@@ -108,10 +108,31 @@ def sample_indices(recipe, step: int, batch_rank: int, batch_ranks: int) -> list
     return [base + m * per_micro + batch_rank * mbs + j for m in range(n_micro) for j in range(mbs)]
 
 
+IGNORE = -100  # the target of a token the loss mask excludes (cross_entropy's ignore_index)
+
+
 def local_batch(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int = 1):
-    """(inputs, targets), each [n_microbatches * micro_batch_size, sequence_length]."""
-    rows = torch.stack([source(i) for i in sample_indices(recipe, step, batch_rank, batch_ranks)])
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    """(inputs, targets), each [n_microbatches * micro_batch_size, sequence_length]. A source
+    with a loss mask (`source.masked`, data prepared with --chat) gives IGNORE as the target of
+    every token its mask excludes."""
+    indices = sample_indices(recipe, step, batch_rank, batch_ranks)
+    rows = torch.stack([source(i) for i in indices])
+    targets = rows[:, 1:].contiguous()
+    if getattr(source, "masked", False):
+        keep = torch.stack([source.loss_mask(i) for i in indices])[:, 1:].bool()
+        targets = targets.masked_fill(~keep, IGNORE)
+    return rows[:, :-1].contiguous(), targets
+
+
+def loss_tokens(recipe, source, step: int, batches: int = 1) -> int:
+    """The targets that count in the loss over global batches step .. step + batches - 1:
+    every token of them, or with a loss mask the unmasked ones (read from the mask of every
+    sample: the same number on every rank, at every mesh, with no communication)."""
+    t = recipe.training
+    if not getattr(source, "masked", False):
+        return batches * t.global_batch_size * t.sequence_length
+    first = step * t.global_batch_size
+    return sum(int(source.loss_mask(i)[1:].sum()) for i in range(first, first + batches * t.global_batch_size))
 
 
 def local_documents(recipe, source, step: int, batch_rank: int = 0, batch_ranks: int = 1) -> dict[str, torch.Tensor]:

@@ -1,14 +1,24 @@
 """Expert parallelism: each MoE layer's experts split over the ep mesh axis, tokens sent to
-their experts' rank and back by all-to-all.
+their experts' rank and back by all-to-all; tensor parallelism's share of the routed tokens;
+the routing statistics and aux-loss-free balancing of a step.
 
 Layout (nanotron's): ep is the outermost mesh axis. The batch is split over ep x dp, dense
 parameters are replicated over ep (their gradients summed over ep x dp x cp) and the
 experts are split over ep (gradients summed over dp x cp). Expert weights are DTensors
 sharded on the expert dimension over ep, so init and checkpoints see the full tensors.
 
-Experts are replicated over tp: every tp rank runs the MoE on the same (gathered) tokens.
-Each expert is a small matrix and ep is the axis that splits them; sharding them over tp as
-well would add two collectives per layer for matmuls that are already narrow.
+Under tp the experts (and the router and any shared expert) are replicated, and each tp rank
+routes and computes a disjoint share of the microbatch's tokens (`TpTokenShare`): under
+sequence parallelism (REDUCE_SCATTER) its sequence shard, which it already holds, so the MoE
+layer needs no collective at all; under ALL_REDUCE a 1/tp slice of the replicated tokens,
+whose outputs are all-gathered (backward: each rank keeps its slice's gradient; the slice's
+backward all-gathers the input gradients). Why split the tokens rather than shard each
+expert over tp: experts are small matrices already split over ep, and sharding them again
+would add two collectives per layer for narrower matmuls, while replicated experts on the
+whole sequence compute every routed token tp times (at tp 8, 8 times). Splitting the tokens
+costs one all-reduce per step of the MoE parameters' gradients over tp (`sum_tp_grads`:
+each rank's gradient covers its tokens only) and nothing per layer under sequence
+parallelism. Megatron and torchtitan split the tokens too.
 """
 
 from __future__ import annotations
@@ -21,8 +31,9 @@ import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ..models.layers import ExpertDispatch
+from ..models.layers import ExpertDispatch, TokenShare
 from ..models.moe import MoE
+from .shards import local
 
 
 def _by_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -62,6 +73,91 @@ def ep_dispatch(experts: nn.Module, x_sorted: torch.Tensor, counts: torch.Tensor
     return dist_fn.all_to_all_single(x_sorted.new_empty(x_sorted.shape), back, send_splits, recv_splits, group=group)
 
 
+class _SplitTokens(torch.autograd.Function):
+    """Forward: keep this rank's rows; backward: all-gather the row gradients (the input was
+    replicated over tp, so its gradient must be whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, share):
+        ctx.share = share
+        return x[share.rows(x.shape[0])]
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.share.all_rows(g), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: all-gather every rank's rows; backward: keep this rank's rows of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, y, share, total: int):
+        ctx.share, ctx.total = share, total
+        return share.all_rows(y, total)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.share.rows(ctx.total)], None, None
+
+
+class TpTokenShare(TokenShare):
+    """Each tp rank routes a disjoint share of the microbatch's tokens (see the module
+    docstring). `sequence_parallel`: the MoE's input is already this rank's sequence shard."""
+
+    def __init__(self, tp_mesh, sequence_parallel: bool):
+        self.group, self.tp, self.rank = tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank()
+        self.sequence_parallel = sequence_parallel
+
+    def rows(self, total: int) -> slice:
+        size = -(-total // self.tp)
+        return slice(min(self.rank * size, total), min((self.rank + 1) * size, total))
+
+    def all_rows(self, y: torch.Tensor, total: int | None = None) -> torch.Tensor:
+        """Every rank's rows (ceil-sized pieces, the last ones short) in rank order [total, h]."""
+        size = y.shape[0] if total is None else -(-total // self.tp)
+        total = size * self.tp if total is None else total
+        padded = y.new_zeros(size, *y.shape[1:])
+        padded[: y.shape[0]] = y
+        out = y.new_empty(size * self.tp, *y.shape[1:])
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=self.group)
+        return out[:total]
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.sequence_parallel else _SplitTokens.apply(x, self)
+
+    def gather(self, y: torch.Tensor, total: int) -> torch.Tensor:
+        return y if self.sequence_parallel else _GatherTokens.apply(y, self, total)
+
+    def sum_over_shares(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return dist_fn.all_reduce(t, group=self.group), self.tp
+
+
+def token_share(parallelism, mesh) -> TokenShare:
+    """Build time: the model's share of the tokens (`ModelHooks.tokens`): a split over tp when tp > 1."""
+    if not parallelism.tp_enabled:
+        return TokenShare()
+    return TpTokenShare(mesh["tp"], parallelism.sequence_parallel)
+
+
+def moe_params(model: nn.Module) -> list[nn.Parameter]:
+    """The trained parameters of every MoE layer: router, experts, shared expert."""
+    return [q for m in moe_modules(model) for q in m.parameters() if q.requires_grad]
+
+
+def sum_tp_grads(model: nn.Module, parallelism, mesh) -> None:
+    """Step time, after backward: under tp each rank's MoE gradients cover its share of the
+    tokens; sum them over tp (one all-reduce) so every tp rank holds the whole gradient."""
+    if not parallelism.tp_enabled:
+        return
+    grads = [local(q.grad) for q in moe_params(model) if q.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=mesh["tp"].get_group())
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
 def expert_dispatch(parallelism, mesh) -> ExpertDispatch | None:
     """Build time: the model's route to its experts (`ModelHooks.expert_dispatch`): all-to-all
     over the ep axis when ep > 1, else None (every expert is local)."""
@@ -94,28 +190,3 @@ def moe_modules(model: nn.Module) -> list[MoE]:
 def expert_params(model: nn.Module) -> set[int]:
     """ids of the expert weights (sharded over ep, replicated over dp x cp)."""
     return {id(q) for m in moe_modules(model) for q in m.experts.parameters()}
-
-
-def step_stats(model: nn.Module, recipe, coords: dict[str, int], device: torch.device) -> torch.Tensor:
-    """Step time: [aux loss term, tokens per expert...] of this rank's MoE layers this step
-    (the last n-microbatches forwards of each), counted once over the ranks that share them
-    (aux: tp and cp rank 0; loads: tp rank 0), to be summed over the world. Zeros when the
-    model has no experts."""
-    n_micro, scale = recipe.num_microbatches, aux_loss_scale(recipe)
-    out = torch.zeros(1 + recipe.model.num_local_experts, device=device)
-    for moe in moe_modules(model):
-        for aux, load in moe.take_records(n_micro):
-            if coords["tp"] == 0:
-                out[0] += aux.to(out.device).float() * scale * (coords["cp"] == 0)
-                out[1:] += load.to(out.device)
-    return out
-
-
-def stats_metrics(stats: torch.Tensor) -> dict:
-    """The metrics of `step_stats` summed over the world."""
-    load = stats[1:]
-    return {
-        "aux_loss": stats[0].item(),
-        "tokens_per_expert": [int(round(x)) for x in load.tolist()],
-        "expert_load_max_over_mean": (load.max() / load.mean().clamp_min(1e-9)).item(),
-    }

@@ -29,17 +29,18 @@ from ..models.layers import ModelHooks
 from .compile import apply_compile
 from .context import sequence_layout
 from .data import apply_fsdp
-from .expert import aux_loss_scale, expert_dispatch, shard_experts
+from .expert import aux_loss_scale, expert_dispatch, shard_experts, token_share
 from .pipeline import local_stages, merge_stages, split_stage
 from .tensor import apply_tp
 
 
 def model_hooks(recipe, mesh, device: torch.device) -> ModelHooks:
-    """What cp, ep and recompute change inside the model (single-device defaults otherwise)."""
+    """What cp, ep, tp (the MoE token share) and recompute change inside the model (else single-device)."""
     p = recipe.parallelism
     return ModelHooks(
         sequence=sequence_layout(p, mesh, recipe.training.sequence_length, device),
         expert_dispatch=expert_dispatch(p, mesh),
+        tokens=token_share(p, mesh),
         aux_loss_scale=aux_loss_scale(recipe),
         recompute=p.recompute,
     )

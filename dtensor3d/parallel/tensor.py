@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -33,8 +32,9 @@ from torch.distributed.tensor.parallel import (
 
 def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
     """(plan for the model's outer modules, plan for a decoder layer). A mixture-of-experts
-    layer's feed-forward is replicated over tp (see parallel/expert.py): it takes the whole
-    sequence and, under sequence parallelism, hands back this rank's part."""
+    layer's feed-forward is replicated over tp and each tp rank routes a disjoint share of
+    the tokens (parallel/expert.py): under sequence parallelism its sequence shard, as a
+    local tensor."""
     seq = Shard(1) if sequence_parallel else Replicate()
     outer = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -67,14 +67,9 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
                 "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
         )
-        if moe:
-            layer["block_sparse_moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-                use_local_input=True,
-                output_layouts=(Replicate(),),
-                desired_output_layouts=(Shard(1),),
-                use_local_output=True,
+        if moe:  # each tp rank routes its own sequence shard: no gather (parallel/expert.py)
+            layer["block_sparse_moe"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
             )
         else:
             layer["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))

@@ -5,7 +5,7 @@ against what parallel/comm.py counts on real runs. Pure Python."""
 from __future__ import annotations
 
 from .memory import _moe_layers
-from .params import FP32, KINDS, Part, rank_parts, sizes, stage_units, unit_numels
+from .params import FP32, KINDS, Part, param_table, rank_parts, shard_numel, sizes, stage_units, unit_numels
 from .schedule_model import sends_per_microbatch
 
 # -- communication -----------------------------------------------------------------------
@@ -18,19 +18,27 @@ def _kinds(**bytes_by_kind: int) -> dict[str, int]:
 
 
 def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
-    """(forward, backward) tp bytes of one decoder layer and one microbatch."""
+    """(forward, backward) tp bytes of one decoder layer and one microbatch. An MoE layer
+    routes this rank's share of the tokens (parallel/expert.py): it all-reduces its routing
+    sums (2E + 1 floats) forward and backward, and under ALL_REDUCE all-gathers its outputs
+    forward and its input's gradient backward (ceil(tokens / tp) rows each)."""
     p, z = recipe.parallelism, sizes(recipe)
     full_c, full_f = z.tokens * z.hidden * z.compute, z.tokens * z.hidden * FP32
     part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * FP32
     blocks = 1 if moe else 2  # attention, and the dense feed-forward (experts are replicated over tp)
     if not p.sequence_parallel:
         # Rowwise outputs are all-reduced forward; each colwise input's gradient backward.
-        return {"all_reduce": blocks * full_c}, {"all_reduce": (3 + 2 * (not moe)) * full_f}
-    fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
-    bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
-    if moe:  # the MoE gathers its input; backward gathers its (fp32) output's gradient
-        fwd["all_gather"] += part_f
-        bwd["all_gather"] += part_f
+        fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": (3 + 2 * (not moe)) * full_f}
+    else:
+        fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
+        bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
+    if moe:
+        stats = (2 * recipe.model.num_local_experts + 1) * FP32
+        fwd["all_reduce"] = fwd.get("all_reduce", 0) + stats
+        bwd["all_reduce"] = bwd.get("all_reduce", 0) + stats
+        if not p.sequence_parallel:
+            rows = -(-z.tokens // p.tp) * z.hidden * z.compute
+            fwd["all_gather"], bwd["all_gather"] = rows, rows
     return fwd, bwd
 
 
@@ -46,10 +54,11 @@ def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
     stops once every tensor backward needs is back (torch's non-reentrant checkpoint), so a
     dense layer's last collective -- the feed-forward's output all-reduce (reduce-scatter
     under sequence parallelism), whose result backward never reads -- is not repeated. An
-    MoE layer's last collective (its input's) is read by the experts: all are repeated."""
-    if moe:
-        return dict(fwd)
+    MoE layer's routing sums are read by its aux loss's backward: repeated; under ALL_REDUCE
+    its last collective, the outputs' all-gather, is not."""
     z = sizes(recipe)
+    if moe:
+        return {k: n for k, n in fwd.items() if k != "all_gather" or recipe.parallelism.sequence_parallel}
     last = "reduce_scatter" if recipe.parallelism.sequence_parallel else "all_reduce"
     return {**fwd, last: fwd[last] - z.tokens * z.hidden * z.compute}
 
@@ -94,7 +103,20 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
         _add(per_step, {"all_reduce": norms * z.hidden * FP32})
     if recipe.model.qk_norm:  # per-head q/k norms see this rank's heads: their gradients summed too
         _add(per_step, {"all_reduce": 2 * len(layers) * recipe.model.head_dim * FP32})
+    _add(per_step, {"all_reduce": moe_grad_numel(recipe, part) * FP32})
     return _kinds(**per_step)
+
+
+def moe_grad_numel(recipe, part: Part) -> int:
+    """Elements of the MoE gradients this rank sums over tp once per step
+    (parallel/expert.sum_tp_grads): its pieces of the routers, experts and shared experts
+    (FSDP's chunk on rank 0 where FSDP shards them; the correction bias has no gradient)."""
+    fsdp = recipe.parallelism.fsdp_enabled
+    return sum(
+        shard_numel(row["shape"], row["group"] if fsdp else 1)
+        for name, row in param_table(recipe).items()
+        if row["stage"] == part.rank and ".block_sparse_moe." in name and not name.endswith("correction_bias")
+    )
 
 
 def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
@@ -106,18 +128,18 @@ def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
     dp_replicate replicas. Replicate: one all-reduce of the gradients (dense over
     ep x dp x cp, experts over dp x cp)."""
     p = recipe.parallelism
-    numels = unit_numels(recipe, units)
+    numels, grads = unit_numels(recipe, units), unit_numels(recipe, units, grads=True)
     if p.fsdp_enabled:
         gathers = 1 if p.pp_enabled else 2 * recipe.num_microbatches
-        sharded = [numels[name] for name, u in units.items() if u["group"] > 1]
+        sharded = [name for name, u in units.items() if u["group"] > 1]
         replicas = p.dp_replicate if p.hsdp_enabled else 1  # HSDP all-reduces the shards across replicas
         return _kinds(
-            all_gather=gathers * sizes(recipe).compute * sum(held for held, _ in sharded),
-            reduce_scatter=FP32 * sum(whole for _, whole in sharded),
-            all_reduce=FP32 * sum(held for held, _ in sharded) * (replicas > 1),
+            all_gather=gathers * sizes(recipe).compute * sum(numels[name][0] for name in sharded),
+            reduce_scatter=FP32 * sum(grads[name][1] for name in sharded),
+            all_reduce=FP32 * sum(grads[name][0] for name in sharded) * (replicas > 1),
         )
     if p.replicate_enabled:
-        return _kinds(all_reduce=FP32 * sum(numels[name][0] for name, u in units.items() if u["group"] > 1))
+        return _kinds(all_reduce=FP32 * sum(grads[name][0] for name, u in units.items() if u["group"] > 1))
     return _kinds()
 
 
@@ -163,8 +185,12 @@ def ep_bytes(recipe, layers: list[int]) -> dict[str, int]:
 
 
 def world_bytes(recipe) -> dict[str, int]:
-    """The step's one world all-reduce: loss, squared grad norm, aux loss, tokens per expert."""
-    return _kinds(all_reduce=(3 + recipe.model.num_local_experts) * FP32)
+    """The step's world all-reduce: loss, squared grad norm, aux loss, tokens per expert of
+    each MoE layer; with balancing on, a second one of each MoE layer's bias [-min, max]."""
+    m = recipe.model
+    n_moe = _moe_layers(recipe, range(m.num_hidden_layers))
+    balance = 2 * n_moe * (m.router_bias_update_rate > 0)
+    return _kinds(all_reduce=(3 + n_moe * m.num_local_experts + balance) * FP32)
 
 
 def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, int]]]:

@@ -16,7 +16,7 @@ def _moe_layers(recipe, layers: range) -> int:
     m = recipe.model
     if not m.num_local_experts:
         return 0
-    return sum(1 for i in layers if m.moe_layers is None or i in m.moe_layers)
+    return sum(1 for i in layers if m.is_moe_layer(i))
 
 
 # -- activations -------------------------------------------------------------------------
@@ -26,6 +26,12 @@ def _linear_inputs(z: Sizes, n_linears: int) -> int:
     """What n linears reading one fp32 tensor keep: the tensor itself in fp32, or one bf16
     copy each under autocast."""
     return z.tokens * z.hidden * (FP32 if z.compute == FP32 else n_linears * z.compute)
+
+
+def moe_tokens(recipe) -> int:
+    """Tokens of a microbatch one rank routes through its MoE layers: its share over tp
+    (parallel/expert.py; ceil-sized pieces)."""
+    return -(-sizes(recipe).tokens // recipe.parallelism.tp)
 
 
 def layer_activation_bytes(recipe, moe: bool) -> int:
@@ -41,15 +47,16 @@ def layer_activation_bytes(recipe, moe: bool) -> int:
     )
     if not moe:
         return norms + attention + _linear_inputs(z, 2) + 4 * z.tokens * z.inter * z.compute
-    routed = z.tokens * m.num_experts_per_tok
-    inter = m.intermediate_size  # experts are not split over tp
+    tokens = moe_tokens(recipe)
+    routed = tokens * m.num_experts_per_tok
+    inter = m.expert_intermediate_size  # experts are not split over tp
     experts = (
-        z.tokens * z.hidden * FP32  # router input
-        + z.tokens * m.num_local_experts * FP32  # router probabilities
+        tokens * z.hidden * FP32  # router input
+        + tokens * m.num_local_experts * FP32  # router probabilities
         + routed * z.hidden * (FP32 + z.compute)  # routed tokens, expert outputs
         + 4 * routed * inter * z.compute  # SwiGLU intermediates
     )
-    shared = 4 * z.tokens * m.shared_expert_intermediate_size * z.compute
+    shared = 4 * tokens * m.shared_intermediate_size * z.compute
     return norms + attention + experts + shared
 
 
@@ -69,10 +76,13 @@ def selective_layer_bytes(recipe, moe: bool) -> int:
     )
     if not moe:
         return residual + attention + z.tokens * (2 * z.inter + z.hidden) * z.compute
-    routed = z.tokens * m.num_experts_per_tok
-    experts = z.tokens * m.num_local_experts * z.compute + routed * (2 * m.intermediate_size + z.hidden) * z.compute
-    shared = z.tokens * (2 * m.shared_expert_intermediate_size + z.hidden) * z.compute
-    return residual + attention + experts + (shared if m.shared_expert_intermediate_size else 0)
+    tokens = moe_tokens(recipe)
+    routed = tokens * m.num_experts_per_tok
+    experts = (
+        tokens * m.num_local_experts * z.compute + routed * (2 * m.expert_intermediate_size + z.hidden) * z.compute
+    )
+    shared = tokens * (2 * m.shared_intermediate_size + z.hidden) * z.compute
+    return residual + attention + experts + (shared if m.shared_intermediate_size else 0)
 
 
 def layers_activation_bytes(recipe, layers) -> tuple[int, int]:

@@ -93,6 +93,7 @@ def param_table(recipe) -> dict[str, dict]:
         unit = _unit_of(name)
         group = shard if unit.endswith("experts") else p.ep * shard
         row = {"stage": stage_rank(p, stage), "pp_stage": stage, "unit": unit, "group": group}
+        row["grad"] = not name.endswith("e_score_correction_bias")  # the router's bias: moved, not trained
         out[name] = row | {"shape": _local_shape(recipe, name, shape)}
     return out
 
@@ -101,8 +102,10 @@ def stage_units(recipe) -> list[dict[str, dict]]:
     """Per pp rank: {unit: {"group": FSDP group size, "shapes": [tp/ep-local shapes]}}."""
     stages: list[dict[str, dict]] = [{} for _ in range(recipe.parallelism.pp)]
     for row in param_table(recipe).values():
-        entry = stages[row["stage"]].setdefault(row["unit"], {"group": row["group"], "shapes": []})
+        entry = stages[row["stage"]].setdefault(row["unit"], {"group": row["group"], "shapes": [], "no_grad": []})
         entry["shapes"].append(row["shape"])
+        if not row["grad"]:
+            entry["no_grad"].append(row["shape"])
     return stages
 
 
@@ -112,13 +115,16 @@ def shard_numel(shape: list[int], group: int) -> int:
     return rows * math.prod(shape[1:])
 
 
-def unit_numels(recipe, units: dict[str, dict]) -> dict[str, tuple[int, int]]:
-    """unit -> (elements rank 0 holds, elements FSDP gathers: padded, whole unit)."""
+def unit_numels(recipe, units: dict[str, dict], grads: bool = False) -> dict[str, tuple[int, int]]:
+    """unit -> (elements rank 0 holds, elements FSDP gathers: padded, whole unit); `grads`:
+    of the parameters with a gradient only (what FSDP reduce-scatters)."""
     fsdp = recipe.parallelism.fsdp_enabled
     out = {}
     for unit, u in units.items():
         n = u["group"] if fsdp else 1
         held = sum(shard_numel(s, n) for s in u["shapes"])
+        if grads:
+            held -= sum(shard_numel(s, n) for s in u.get("no_grad", ()))
         out[unit] = (held, held * n)
     return out
 

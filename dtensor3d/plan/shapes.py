@@ -29,15 +29,17 @@ def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
     out["post_attention_layernorm.weight"] = (h,)
     if not cfg.is_moe_layer(index):
         return out | _mlp_shapes("mlp", h, cfg.intermediate_size, cfg.mlp_bias)
-    e, inter = cfg.num_local_experts, cfg.intermediate_size
+    e, inter = cfg.num_local_experts, cfg.expert_intermediate_size
+    out["block_sparse_moe.gate.weight"] = (e, h)
+    if cfg.correction_bias:
+        out["block_sparse_moe.gate.e_score_correction_bias"] = (e,)
     out |= {
-        "block_sparse_moe.gate.weight": (e, h),
         "block_sparse_moe.experts.w1": (e, h, inter),
         "block_sparse_moe.experts.w2": (e, inter, h),
         "block_sparse_moe.experts.w3": (e, h, inter),
     }
-    if cfg.shared_expert_intermediate_size:
-        out |= _mlp_shapes("block_sparse_moe.shared_expert", h, cfg.shared_expert_intermediate_size, cfg.mlp_bias)
+    if cfg.shared_intermediate_size:
+        out |= _mlp_shapes("block_sparse_moe.shared_expert", h, cfg.shared_intermediate_size, cfg.mlp_bias)
     return out
 
 
@@ -103,8 +105,9 @@ def flops_per_token(cfg, seq_len: int) -> float:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     ffn = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h) * cfg.mlp_bias
     if cfg.num_local_experts:  # MoE layers: top-k experts, the router and any shared expert per token
-        moe = ffn * cfg.num_experts_per_tok + h * cfg.num_local_experts + 3 * h * cfg.shared_expert_intermediate_size
-        n_moe = L if cfg.moe_layers is None else len(cfg.moe_layers)
+        expert = 3 * h * cfg.expert_intermediate_size + (2 * cfg.expert_intermediate_size + h) * cfg.mlp_bias
+        moe = expert * cfg.num_experts_per_tok + h * cfg.num_local_experts + 3 * h * cfg.shared_intermediate_size
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
         ffn_total = n_moe * moe + (L - n_moe) * ffn
     else:
         ffn_total = L * ffn

@@ -5,7 +5,8 @@ Evaluation batch b holds validation samples [b * global_batch_size, (b + 1) *
 global_batch_size), split over the ranks exactly as a training batch is, so the set and
 the number are the same at every mesh. Each batch's loss is normalised like a training
 loss (by the tokens of the global batch); their mean over `eval_batches` is the mean token
-loss.
+loss. With a loss mask (--chat data) the masked targets add nothing and their sum is
+divided by the count of counted targets over all `eval_batches` batches instead.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..parallel import context, data, expert, pipeline, tensor
+from ..parallel import context, data, pipeline, tensor
 from ..parallel.shards import local
+from . import balance
 
 
 def eval_due(recipe, step: int) -> bool:
@@ -50,6 +52,14 @@ def validation_loss(state, source, compute_context) -> dict:
     reports = state.is_last_stage and state.coords["tp"] == 0
     total = total * reports
     dist.all_reduce(total)
-    expert.step_stats(state.model, recipe, state.coords, state.device)  # drop the routing records of eval
+    balance.step_stats(state.model, recipe, state.coords, state.device)  # drop the routing records of eval
     loss = total.item() / recipe.training.eval_batches
+    if getattr(source, "masked", False):  # the batch losses' sum over the counted targets of all batches
+        t = recipe.training
+        loss = (
+            total.item()
+            * t.global_batch_size
+            * t.sequence_length
+            / max(data.loss_tokens(recipe, source, 0, t.eval_batches), 1)
+        )
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}

@@ -45,6 +45,17 @@ TB_TAGS = {
     "aux_loss": "moe/aux_loss",
     "expert_load_max_over_mean": "moe/expert_load_max_over_mean",
 }
+
+
+def _layer_scalars(record: dict) -> list[tuple[str, float]]:
+    """Per MoE layer (in order of the layers with experts): its max/mean load and, when
+    balancing, its correction bias's min and max, as TensorBoard (tag, value) pairs."""
+    out = [(f"moe/expert_load_max_over_mean/{i}", v) for i, v in enumerate(record.get("expert_load_by_layer", ()))]
+    for i, (lo, hi) in enumerate(record.get("router_bias_range", ())):
+        out += [(f"moe/router_bias_min/{i}", lo), (f"moe/router_bias_max/{i}", hi)]
+    return out
+
+
 # What a fresh run into a run_dir moves aside: (name, rotated name with {n}).
 ROTATED = (
     ("metrics.jsonl", "metrics.{n}.jsonl"),
@@ -144,6 +155,8 @@ class MetricsLog:
                 value = record.get(key)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(tag, value, record["step"])
+            for tag, value in _layer_scalars(record):
+                self.writer.add_scalar(tag, value, record["step"])
         elapsed, done = time.perf_counter() - self.start, record["step"] - self.resume
         eta = None
         if self.total_steps is not None and done > 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +32,7 @@ from ..parallel import context, data, expert, pipeline, tensor
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
-from . import faults, hooks
+from . import balance, faults, hooks
 from .optim import build_optimizer, clip_, grad_sq_partial, replication
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
@@ -57,6 +57,7 @@ class TrainState:
     norm_weights: list[float]  # 1 / replication of each parameter, for the global grad norm
     step: int = 0
     compile_reported: bool = False  # training.compile: the compile time was printed (after the first step)
+    load_streaks: dict[int, int] = field(default_factory=dict)  # MoE layer -> steps over the load warning
 
     @property
     def is_last_stage(self) -> bool:
@@ -72,7 +73,9 @@ def resolve_device(choice: str) -> str:
 
 def make_loss_fn(global_tokens: int) -> LossFn:
     """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
-    and gradients that only need summing across ranks and microbatches."""
+    and gradients that only need summing across ranks and microbatches. A target a loss mask
+    excludes is data.IGNORE, cross_entropy's default ignore_index: it adds nothing (the step
+    then renormalises by the count of the others, `renormalise`)."""
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
@@ -143,19 +146,21 @@ def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor
     return total
 
 
-def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
+def train_step(state: TrainState, batch: tuple, loss_tokens: int | None = None) -> dict:
     """One optimizer step over one global batch; returns loss, grad_norm and lr (and the MoE
-    statistics for a model with experts)."""
+    statistics for a model with experts). `loss_tokens`: the global count of the targets that
+    count, where a loss mask excludes some (data.loss_tokens; None: every target counts)."""
     recipe = state.recipe
     state.optimizer.zero_grad(set_to_none=True)
-    loss_sum = forward_backward(state, *batch)
+    loss_sum = renormalise(state, forward_backward(state, *batch), loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
+    expert.sum_tp_grads(state.model, recipe.parallelism, state.mesh)
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
     # squared grad norm (each copy weighted by 1 / its replication) and the MoE statistics.
     reports_loss = state.is_last_stage and state.coords["tp"] == 0
     grad_sq = grad_sq_partial(state.params, state.norm_weights).to(state.device)
-    moe = expert.step_stats(state.model, recipe, state.coords, state.device)
+    moe = balance.step_stats(state.model, recipe, state.coords, state.device)
     stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe])
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
@@ -167,13 +172,41 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> d
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         state.optimizer.step()
+        balance.update_router_bias(state.model, recipe, stats[2:])
     state.step += 1
     metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
     if bad is not None:
         metrics["nonfinite"] = bad  # the loop stops or counts it (faults.SkipCount)
     if recipe.model.num_local_experts:
-        metrics.update(expert.stats_metrics(stats[2:]))
+        _moe_metrics(state, metrics, stats[2:])
     return metrics
+
+
+def _moe_metrics(state: TrainState, metrics: dict, stats: torch.Tensor) -> None:
+    """The step's expert-load metrics (training/balance.py), the bias range when balancing,
+    and rank 0's one-line warning when a layer's load stays unbalanced."""
+    recipe = state.recipe
+    metrics.update(balance.stats_metrics(stats, recipe))
+    if recipe.model.router_bias_update_rate > 0:
+        metrics["router_bias_range"] = balance.bias_ranges(state.model, recipe, state.device)
+    line = balance.load_warning(state.load_streaks, metrics["expert_load_by_layer"], recipe)
+    if line and is_rank0():
+        print(line, flush=True)
+
+
+def renormalise(state: TrainState, loss_sum: torch.Tensor, loss_tokens: int | None) -> torch.Tensor:
+    """A loss mask (data prepared with --chat): the microbatch losses were divided by every
+    target of the global batch, the masked ones adding nothing (data.IGNORE); multiply the
+    loss and the gradients by (all targets / counted targets), so both are normalised by the
+    global count of counted targets (the same number at every mesh). Without a mask (or with
+    every target counted) nothing is touched."""
+    t = state.recipe.training
+    full = t.global_batch_size * t.sequence_length
+    if loss_tokens is None or loss_tokens == full:
+        return loss_sum
+    scale = full / max(loss_tokens, 1)  # a batch with nothing to learn: loss 0, no gradient
+    torch._foreach_mul_([local(q.grad) for q in state.params if q.grad is not None], scale)
+    return loss_sum * scale
 
 
 def rank_batch(state: TrainState, source, step: int) -> tuple:
@@ -200,7 +233,8 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
     if is_rank0() and (note := epoch_note(source, recipe, state.step)):
         print(note, flush=True)  # the sample order enters a new epoch in this step
     with guard.step(state), hooks.during_step(found, state):
-        metrics = train_step(state, rank_batch(state, source, state.step))
+        batch = rank_batch(state, source, state.step)
+        metrics = train_step(state, batch, data.loss_tokens(recipe, source, state.step))
     seconds = time.perf_counter() - start
     guard.check(metrics)
     for hook in found:

@@ -602,7 +602,8 @@ def test_expected_shapes_match_transformers():
 
 def test_import_hf_carries_the_tokenizer_and_generate_needs_no_flag(hf_model, tmp_path, capsys):
     """import-hf copies tokenizer.json / tokenizer_config.json into the step directory (in its
-    manifest); generate then runs without --tokenizer."""
+    manifest), a chat_template.jinja folded into tokenizer_config.json (a step directory holds
+    JSON and safetensors only); generate, and generate --chat, then run without --tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from dtensor3d.checkpoint.format import read_manifest
@@ -614,15 +615,28 @@ def test_import_hf_carries_the_tokenizer_and_generate_needs_no_flag(hf_model, tm
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(hf / "tokenizer.json"))
     (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    template = "{% for m in messages %}w3 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+    (hf / "chat_template.jinja").write_text(template)
     assert main(["import-hf", str(hf), str(tmp_path / "ck")]) == 0
     step = tmp_path / "ck" / "step_00000000"
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (step / name).read_bytes() == (hf / name).read_bytes()
-        assert name in read_manifest(str(step))["files"]
+    assert (step / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    config = {"eos_token": "<|endoftext|>", "chat_template": template}
+    assert json.loads((step / "tokenizer_config.json").read_text()) == config
+    assert sorted(n for n in read_manifest(str(step))["files"] if "token" in n or "chat" in n) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     capsys.readouterr()
     argv = ["generate", str(tmp_path / "ck"), "--prompt", "w1 w2", "--max-new-tokens", "3", "--temperature", "0"]
     assert main(argv) == 0
-    assert capsys.readouterr().out.startswith("w1 w2")
+    out = capsys.readouterr().out
+    assert out.startswith("w1 w2")
+    assert main([*argv, "--chat"]) == 0  # the prompt is the template's "w3 w1 w2 w4"; the reply alone
+    from dtensor3d.checkpoint import load_model
+    from dtensor3d.generate import generate_ids
+
+    reply = generate_ids(load_model(tmp_path / "ck"), tok.encode("w3 w1 w2 w4").ids, 3, temperature=0.0)
+    assert capsys.readouterr().out == tok.decode(list(reply)) + "\n"
 
 
 def test_init_from_hf_without_a_model_section_and_float32_config_values(hf_model, tmp_path, capsys):

@@ -19,6 +19,9 @@ RECIPES = {
     "llama3_1_70b_plan": 70_553_706_496,
     "qwen3_0_6b_plan": 596_049_920,
     "qwen3_8b_plan": 8_190_735_360,
+    # from its config.json: 48 x (attention 18,878,720 + router 262,144 + 128 experts 603,979,776)
+    # + embedding and head 622,329,856 + final norm 2,048 (the model card's 30.5B)
+    "qwen3_30b_a3b_plan": 30_532_122_624,
     "smollm2_135m_plan": 134_515_008,
     "smollm2_1_7b_plan": 1_711_376_384,
 }

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import cli, one_error_line
 
 from dtensor3d.config.checks import validate
 from dtensor3d.config.load import load_recipe, parse_override, recipe_from_dict
@@ -725,3 +726,22 @@ def test_explain_every_key_and_alias(capsys):
     assert main(["validate", "--explain", "training.stepz"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean 'training.steps'?" in err[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["model.n_group=3"], ["model.n_group=3", "valid n_group: 1, 2, 4"]),
+        (["model.n_group=8"], ["model.n_group=8", "groups of >= 2 experts"]),
+        (["model.n_group=4", "model.topk_group=5"], ["model.topk_group=5", "larger than n_group=4"]),
+        (["model.n_group=4", "model.topk_group=1", "model.num_experts_per_tok=3"], ["num_experts_per_tok=3", "only 2"]),
+        (["parallelism.ep=3"], ["parallelism.ep=3", "valid ep: 1, 2, 4, 8"]),
+        (["model.scoring_func=tanh"], ["model.scoring_func", "softmax, sigmoid"]),
+        (["model.routed_scaling_factor=0"], ["model.routed_scaling_factor=0", "> 0"]),
+        (["model.router_bias_update_rate=-1"], ["model.router_bias_update_rate=-1", ">= 0"]),
+    ],
+)
+def test_router_options_refused_at_the_door(overrides, words):
+    """The MoE router's options (8 experts): one error line naming the key and what is valid."""
+    line = one_error_line(cli("validate", str(REPO / "tests" / "recipes" / "moe_parity.yaml"), *overrides))
+    assert all(w in line for w in words), line

@@ -6,19 +6,19 @@ line per case from rank 0 with the largest absolute errors over all ranks."""
 
 import functools
 import json
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from dtensor3d.config.schema import ModelConfig
 from dtensor3d.models.layers import ModelHooks
 from dtensor3d.models.moe import MoE
 from dtensor3d.parallel.expert import ep_dispatch, shard_experts
 
 dist.init_process_group("gloo")
 world, rank = dist.get_world_size(), dist.get_rank()
-cfg = SimpleNamespace(
+cfg = ModelConfig(
     hidden_size=16, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=8
 )
 for ep in (2, 4):

@@ -1,4 +1,4 @@
-"""Model families (llama with Llama 3.1 RoPE scaling, qwen2, qwen3, mistral): a tiny random
+"""Model families (llama with Llama 3.1 RoPE scaling, qwen2, qwen3, mistral, qwen3_moe): a tiny random
 transformers model of each, every parameter moved away from its init (biases and norm weights
 too) and rope_theta not 10000, gives our logits (load_model on its directory) to 1e-5
 relative; import-hf -> export-hf loads back into AutoModelForCausalLM with no missing or
@@ -54,6 +54,12 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(sliding_window=None), "o_proj.weight"),
     # The head tied to the embedding (Qwen2's small models ship so): one tensor in the file.
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True), "q_proj.bias"),
+    # layer 0 sparse, layer 1 dense (mlp_only_layers); softmax top-2 of 4 without renormalising
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, mlp_only_layers=[1]),
+        "mlp.experts.gate_up_proj",
+    ),
 }
 
 
@@ -186,3 +192,34 @@ def test_rope_read_in_both_spellings():
     assert ours == config_from_hf(v4, "v4")
     assert ours.rope_theta == 123456.0 and ours.rope_scaling == LLAMA3_ROPE
     assert hf_config(ours)["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 123456.0}
+
+
+def test_qwen3_moe_switches_its_class_lacks_are_refused_on_export():
+    """A Qwen3-MoE trained with aux-loss-free balancing holds a correction bias (and one with
+    groups a group limit) that Qwen3MoeForCausalLM cannot: export-hf says so in one line;
+    without them its config.json round-trips (num_experts, mlp_only_layers, norm_topk_prob)."""
+    from dtensor3d.checkpoint.hf import config_from_hf, hf_config
+    from dtensor3d.config.schema import ModelConfig
+    from dtensor3d.errors import CheckpointError
+
+    base = dict(family="qwen3_moe", num_local_experts=8, moe_intermediate_size=32, norm_topk_prob=False)
+    cfg = ModelConfig(**base, mlp_only_layers=(1,), decoder_sparse_step=1)
+    hf = hf_config(cfg)
+    assert (hf["num_experts"], hf["mlp_only_layers"], hf["norm_topk_prob"]) == (8, [1], False)
+    assert config_from_hf(hf, "config.json") == cfg
+    from dtensor3d.checkpoint.hf_names import HFNames
+
+    names = HFNames("qwen3_moe")  # the MoE block is `mlp` there (DeepSeek-V3's too), shared experts plural
+    assert names.plain("model.layers.3.block_sparse_moe.gate.e_score_correction_bias") == (
+        "model.layers.3.mlp.gate.e_score_correction_bias"
+    )
+    assert names.plain("model.layers.3.block_sparse_moe.shared_expert.up_proj.weight") == (
+        "model.layers.3.mlp.shared_experts.up_proj.weight"
+    )
+    assert names.experts("model.layers.3.block_sparse_moe.experts.w2", 2) == [
+        "model.layers.3.mlp.experts.0.down_proj.weight",
+        "model.layers.3.mlp.experts.1.down_proj.weight",
+    ]
+    for extra, key in (({"router_bias_update_rate": 0.01}, "router_bias_update_rate"), ({"n_group": 2}, "n_group")):
+        with pytest.raises(CheckpointError, match=f"model.{key}=.*Qwen3MoeForCausalLM has no such setting"):
+            hf_config(ModelConfig(**base, **extra))

@@ -1,17 +1,17 @@
 """The MoE layer on one device, and expert-parallel dispatch against it."""
 
+import dataclasses
 import json
-from types import SimpleNamespace
 
+import pytest
 import torch
 from helpers import torchrun
 
+from dtensor3d.config.schema import ModelConfig
 from dtensor3d.models.layers import ModelHooks
 from dtensor3d.models.moe import MoE, expert_matmul
 
-CFG = SimpleNamespace(
-    hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=0
-)
+CFG = ModelConfig(hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
 
 
 def make_moe(seed=0, hooks=None):
@@ -47,7 +47,7 @@ def test_shared_expert_matches_a_per_token_reference():
     token, down(silu(gate x) * up x), with the shared expert's own width. Written token by
     token in plain PyTorch from those words; the forward output, every parameter's gradient
     and the input's (of a fixed random projection of the output) match."""
-    cfg = SimpleNamespace(**{**vars(CFG), "shared_expert_intermediate_size": 12})
+    cfg = dataclasses.replace(CFG, shared_expert_intermediate_size=12)
     torch.manual_seed(3)
     moe = MoE(cfg)
     for p in moe.parameters():
@@ -126,6 +126,19 @@ def test_expert_parallel_dispatch_matches_local():
         assert c["experts_used"] == (2 if c["forced"] else 8), c
 
 
+def test_tp_ranks_route_half_the_tokens_each():
+    """tp 2, both modes: each tp rank sends half the microbatch's token slots to its experts
+    (24 tokens x top-2 = 48 on one device, 24 on each rank), and outputs, input gradients,
+    parameter gradients (after the tp sum) and the aux loss equal the one-device layer's."""
+    out = torchrun(2, ["tests/dist_scripts/tp_token_share.py"]).stdout
+    cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [c["mode"] for c in cases] == ["ALL_REDUCE", "REDUCE_SCATTER"]
+    for c in cases:
+        assert c["slots_one_device"] == 2 * 12 * 2, c
+        assert c["slots_per_rank"] == [c["slots_one_device"] // 2] * 2, c
+        assert max(c["out"], c["dx"], c["params"], c["aux"]) < 1e-5, c
+
+
 def test_plan_lists_nanotrons_ep_groups():
     """ep is the outermost axis: rank = ((((e * pp + p) * dp + d) * cp + c) * tp + t)."""
     import itertools
@@ -160,3 +173,49 @@ def test_plan_lists_nanotrons_ep_groups():
         expected.append([(((e * pp + p) * dp + d) * cp + c) * tp + t for e in range(ep)])
     assert sorted(plan["groups"]["ep"]) == sorted(expected)
     assert [0, 8] in plan["groups"]["ep"]
+
+
+def test_deepseek_router_and_shared_experts_match_transformers():
+    """Sigmoid scores + correction bias (for the choice only), 4 groups of which a token may use
+    2, top-3, renormalised and scaled by 2.5, two shared experts: our MoE against transformers'
+    DeepseekV3MoE with the same (random, bias too) weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    keys = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=2, norm_topk_prob=True)
+    theirs_cfg = transformers.DeepseekV3Config(
+        hidden_size=16, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=3, **keys
+    )
+    torch.manual_seed(0)
+    theirs = DeepseekV3MoE(theirs_cfg).float()
+    for p in [*theirs.parameters(), *theirs.buffers()]:
+        torch.nn.init.normal_(p, std=0.3)
+    ours = MoE(
+        ModelConfig(
+            hidden_size=16,
+            num_local_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=8,
+            scoring_func="sigmoid",
+            router_bias_update_rate=1e-3,
+            **keys,
+        )
+    )
+    inter = 8
+    with torch.no_grad():
+        ours.gate.weight.copy_(theirs.gate.weight)
+        ours.gate.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
+        ours.experts.w1.copy_(theirs.experts.gate_up_proj[:, :inter].transpose(1, 2))
+        ours.experts.w3.copy_(theirs.experts.gate_up_proj[:, inter:].transpose(1, 2))
+        ours.experts.w2.copy_(theirs.experts.down_proj.transpose(1, 2))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ours.shared_expert, name).weight.copy_(getattr(theirs.shared_experts, name).weight)
+    x = torch.randn(2, 24, 16)
+    with torch.no_grad():
+        ref = theirs(x)
+        got = ours(x)
+        # the bias decides the choice: without it the routing differs
+        ours.gate.e_score_correction_bias.zero_()
+        unbiased = ours(x)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    assert (unbiased - ref).abs().max().item() > 1e-3

@@ -74,6 +74,17 @@ def model_configs():
         "qwen2": dataclasses.replace(dense, family="qwen2"),
         "qwen3_head_dim": dataclasses.replace(dense, family="qwen3", head_dim=24, attention_bias=True),
         "llama_biases": dataclasses.replace(dense, attention_bias=True, mlp_bias=True),
+        # Qwen3-MoE's pattern with DeepSeek's pieces: first layer dense, layer 2 dense, moe
+        # width 40, two shared experts, the correction bias of balancing
+        "qwen3_moe_shared_dense_balanced": dataclasses.replace(
+            moe,
+            family="qwen3_moe",
+            moe_intermediate_size=40,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            mlp_only_layers=(2,),
+            router_bias_update_rate=0.01,
+        ),
     }
 
 

@@ -144,3 +144,36 @@ def test_profile_steps_trace_holds_the_steps_matmuls_and_collectives(tmp_path):
         assert any(n in ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm") for n in names)
         collectives = [n for n in names if re.search(r"all_?reduce|all_?gather|reduce_?scatter", n, re.I)]
         assert collectives, sorted(set(names))[:80]
+
+
+def test_expert_load_per_layer_on_tensorboard_and_the_warning(tmp_path):
+    """The step's summed stats [aux, loads of 2 MoE layers x 4 experts] become the worst
+    layer's max/mean, each layer's (TensorBoard: one curve per layer), each layer's loads
+    with balancing on; a layer above logging.expert_load_warn for expert_load_warn_steps
+    consecutive steps gives one warning line, once per streak."""
+    import torch
+
+    from dtensor3d.training.balance import load_warning, stats_metrics
+
+    raw = {
+        "model": {"num_local_experts": 4, "num_hidden_layers": 2, "router_bias_update_rate": 0.5},
+        "logging": {"expert_load_warn": 2.0, "expert_load_warn_steps": 3},
+    }
+    r = recipe_from_dict(raw)
+    stats = torch.tensor([0.25, 10.0, 10.0, 10.0, 10.0, 40.0, 0.0, 0.0, 0.0])
+    m = stats_metrics(stats, r)
+    assert m["expert_load_by_layer"] == [1.0, 4.0] and m["expert_load_max_over_mean"] == 4.0
+    assert m["tokens_per_expert"] == [50, 10, 10, 10] and m["aux_loss"] == 0.25
+    assert m["tokens_per_expert_by_layer"] == [[10, 10, 10, 10], [40, 0, 0, 0]]
+    streaks: dict[int, int] = {}
+    lines = [load_warning(streaks, by_layer, r) for by_layer in ([1.0, 4.0],) * 4 + ([1.0, 1.5], [1.0, 3.0])]
+    assert lines[:2] == [None, None] and lines[3:] == [None, None, None]
+    assert lines[2] == (
+        "warning: expert load max/mean above 2 for 3 steps in MoE layer(s) 1 (4.00): the router may be collapsing"
+    )
+    log = MetricsLog(recipe(str(tmp_path), 2), enabled=True)
+    for s in (1, 2):
+        log.log(record(s, 1.0, **m, router_bias_range=[[-0.5, 0.5], [-1.0, 0.5]]))
+    log.close()
+    assert [v for _, v in scalars(tmp_path, "moe/expert_load_max_over_mean/1")] == [4.0, 4.0]
+    assert [v for _, v in scalars(tmp_path, "moe/router_bias_min/1")] == [-1.0, -1.0]
