@@ -80,6 +80,7 @@ QUICK_FILES = {
     "test_family_recipes.py",
     "test_init.py",
     "test_matrix.py",
+    "test_async_tp.py",
     "test_documents.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
@@ -102,6 +103,7 @@ SLOW_IN_QUICK_FILES = {
     "test_trains_like_the_native_recipe_on_tp2",
     "test_init_bitwise_across_meshes",
     "test_matrix_parity",
+    "test_async_tp_matches_the_key_off_and_overlaps",
     "test_document_masking_parity_across_meshes",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run

@@ -22,12 +22,10 @@ from collections.abc import Sequence
 
 import torch
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import CheckpointError
 from ..mesh import rank_coords
-from ..parallel.shards import local
+from ..parallel.shards import is_dtensor, local
 from .format import read_header
 
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # (local start, global start, size)
@@ -54,18 +52,25 @@ def _chunk(seq: Sequence[int], n: int, i: int) -> Sequence[int]:
 
 def _splits(pl) -> bool:
     """Whether a placement splits its tensor (Shard, or _StridedShard, whose is_shard() is False)."""
-    return isinstance(pl, _StridedShard) or pl.is_shard()
+    return _strided(pl) or pl.is_shard()
+
+
+def _strided(pl) -> bool:
+    """A placement exists only where DTensor's module is loaded: import it only then."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(pl, _StridedShard)
 
 
 def held_indices(t: torch.Tensor) -> list[Sequence[int]]:
     """For each dim of `t`'s full shape, the global indices this rank's local piece holds, in local order."""
     idx: list[Sequence[int]] = [range(n) for n in t.shape]
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return idx
     mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
     for mdim, pl in enumerate(t.placements):
         m, c = mesh.size(mdim), coord[mdim]
-        if isinstance(pl, _StridedShard):
+        if _strided(pl):
             sf, d = int(pl.split_factor), pl.dim
             idx[d] = [i for k in range(sf) for i in _chunk(_chunk(idx[d], sf, k), m, c)]
         elif pl.is_shard():
@@ -117,7 +122,7 @@ class Writers:
 
     def writes(self, t: torch.Tensor) -> bool:
         spanned: set[str] = set()
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             coord = t.device_mesh.get_coordinate()
             if any(not _splits(pl) and c != 0 for pl, c in zip(t.placements, coord)):
                 return False

@@ -8,6 +8,8 @@ groups or collectives (a test checks).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -16,9 +18,24 @@ from .llama import LlamaForCausalLM
 
 def build_on_meta(cfg, **kwargs) -> LlamaForCausalLM:
     """The whole model on the meta device: shapes only, no memory. Parallelise it, then
-    `materialize` it."""
-    with torch.device("meta"):
+    `materialize` it. The modules' own random init is skipped (meta tensors hold no values;
+    init_weights fills the real ones): on meta it runs torch's Python references, whose
+    first call imports dynamo and DTensor (seconds a one-token generate process would pay)."""
+    with torch.device("meta"), _no_module_init():
         return LlamaForCausalLM(cfg, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_module_init():
+    """nn.Linear / nn.Embedding constructors without their reset_parameters."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:

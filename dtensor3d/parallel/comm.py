@@ -15,10 +15,12 @@ their names joined by "+".
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,6 +39,7 @@ KINDS = (
     ("broadcast", "broadcast"),
 )
 INPUTS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")
+MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
 
 def tensors_in(x):
@@ -61,22 +64,59 @@ def group_dims(mesh) -> dict[str, str]:
 
 
 class CommCounter(TorchDispatchMode):
-    """bytes[dim][kind] handed to collectives while active (see the module docstring)."""
+    """bytes[dim][kind] handed to collectives while active (see the module docstring).
+
+    For functional collectives (tp's) it also keeps, per dim and kind, how many were issued
+    (`issued`), how many of those saw a matmul run between their issue and their wait
+    (`overlapped`: asynchronous in fact), and the seconds this thread spent waiting for them
+    (`wait_s`, per dim)."""
 
     def __init__(self, mesh):
         super().__init__()
         self.group_dims, self.force = group_dims(mesh), None
         self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.issued: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.overlapped: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.wait_s: dict[str, float] = defaultdict(float)
+        self.pending: dict[int, list] = {}  # id(output) -> [dim, kind, overlapped]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar into collectives first
+        if any(issubclass(t, AsyncCollectiveTensor) for t in types):
+            return self._settle(func, args, kwargs)
+        name = func._schema.name.split("::")[1]
+        if func.namespace == "_c10d_functional" and name == "wait_tensor":
+            return self._wait(args[0], lambda: func(*args, **kwargs))
+        if func.namespace == "aten" and name in MATMULS:
+            for entry in self.pending.values():
+                entry[2] = True
         if func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
-            self._record(func, args, kwargs)
+            out = func(*args, **kwargs)
+            self._record(func, args, kwargs, out)
+            return out
         return func(*args, **kwargs)
 
-    def _record(self, func, args, kwargs) -> None:
+    def _settle(self, func, args, kwargs):
+        """An op on an AsyncCollectiveTensor: its collective is waited for here, first."""
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        flat = [self._wait(x.elem, x.trigger_wait) if isinstance(x, AsyncCollectiveTensor) else x for x in flat]
+        args, kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+        return self.__torch_dispatch__(func, (), args, kwargs)
+
+    def _wait(self, tensor, wait):
+        start = time.perf_counter()
+        out = wait()
+        entry = self.pending.pop(id(tensor), None)
+        if entry is not None:
+            dim, kind, overlapped = entry
+            self.wait_s[dim] += time.perf_counter() - start
+            self.issued[dim][kind] += 1
+            self.overlapped[dim][kind] += overlapped
+        return out
+
+    def _record(self, func, args, kwargs, out) -> None:
         name = func._schema.name.split("::")[1]
         kind = next((k for frag, k in KINDS if frag in name), None)
         if kind is None:
@@ -89,6 +129,8 @@ class CommCounter(TorchDispatchMode):
         payload = next(values[n] for n in INPUTS if n in values)
         sent = 0 if name.startswith("recv") else sum(t.numel() * t.element_size() for t in tensors_in(payload))
         self.bytes[dim][kind] += sent
+        if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
+            self.pending[id(out)] = [dim, kind, False]
 
     def result(self) -> dict[str, dict[str, int]]:
         return {d: dict(kinds) for d, kinds in self.bytes.items()}

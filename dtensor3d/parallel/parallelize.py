@@ -59,7 +59,7 @@ def parallelize_stage(recipe, mesh, stage: int, hooks: ModelHooks) -> nn.Module:
     model = build_on_meta(recipe.model, hooks=hooks)
     split_stage(model, stage, p)
     if p.tp_enabled:
-        apply_tp(model, mesh["tp"], p)
+        apply_tp(model, mesh["tp"], p, compiled=recipe.training.compile)
         tie_weights(model)  # the vocab-parallel embedding and head share Shard(0) over tp
     if p.ep_enabled:
         shard_experts(model, mesh["ep"])

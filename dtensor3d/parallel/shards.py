@@ -12,17 +12,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..models.layers import init_std
 
 
+def is_dtensor(t) -> bool:
+    """isinstance(t, DTensor) without importing DTensor's module (and dynamo with it): a
+    process that never made one (generate's) never loads it (a one-token process starts
+    sooner)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of a DTensor, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def full_shape_mismatch(dst: torch.Tensor, full: torch.Tensor) -> bool:
@@ -37,14 +45,16 @@ def copy_full_(dst: torch.Tensor, full: torch.Tensor) -> None:
     if full_shape_mismatch(dst, full):
         raise ValueError(f"full tensor of shape {list(full.shape)} for a tensor of shape {list(dst.shape)}")
     full = full.to(device=local(dst).device, dtype=dst.dtype)
-    if isinstance(dst, DTensor):
+    if is_dtensor(dst):
+        from torch.distributed.tensor import distribute_tensor
+
         full = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
     local(dst).copy_(full)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on the CPU (a collective over its mesh when it is a DTensor)."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().contiguous()
+    return (t.full_tensor() if is_dtensor(t) else t).detach().cpu().contiguous()
 
 
 def param_layout(model: torch.nn.Module) -> dict[str, dict]:
@@ -53,7 +63,7 @@ def param_layout(model: torch.nn.Module) -> dict[str, dict]:
     out = {}
     for name, p in model.named_parameters():
         entry = {"shape": list(p.shape), "local_shape": list(local(p).shape), "mesh": [], "placements": []}
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
             entry["mesh"] = list(p.device_mesh.mesh_dim_names or ())
             entry["placements"] = [str(pl) for pl in p.placements]
         out[name] = entry

@@ -16,7 +16,6 @@ sharded on the heads dim, so the weight's gradient is summed over tp by DTensor.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -29,12 +28,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .async_tp import apply_async_tp
 
-def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
+
+def tp_plan(sequence_parallel: bool, moe: bool = False, overlapped: bool = False) -> tuple[dict, dict]:
     """(plan for the model's outer modules, plan for a decoder layer). A mixture-of-experts
     layer's feed-forward is replicated over tp and each tp rank routes a disjoint share of
     the tokens (parallel/expert.py): under sequence parallelism its sequence shard, as a
-    local tensor."""
+    local tensor. `overlapped` (tp_linear_async_communication's chunked path): the
+    projections parallel/async_tp.py shards itself, and their input gathers, are left out."""
     seq = Shard(1) if sequence_parallel else Replicate()
     outer = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -73,20 +75,52 @@ def tp_plan(sequence_parallel: bool, moe: bool = False) -> tuple[dict, dict]:
             )
         else:
             layer["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return outer, layer
+    return outer, _without_overlapped(layer, sequence_parallel) if overlapped else layer
 
 
-def apply_tp(model: nn.Module, tp_mesh, parallelism) -> nn.Module:
+def _without_overlapped(layer: dict, sequence_parallel: bool) -> dict:
+    """The layer plan less what parallel/async_tp.py shards itself: the column projections,
+    and under sequence parallelism the row ones and their parents' input gathers."""
+    taken = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    taken |= {"o_proj", "down_proj", "self_attn", "mlp"} if sequence_parallel else set()
+    return {path: style for path, style in layer.items() if path.split(".")[-1] not in taken}
+
+
+def tp_overlap(parallelism, device_type: str, compiled: bool) -> str | None:
+    """How tp_linear_async_communication overlaps tp communication with the matmuls:
+    "micro_pipeline" on CUDA with training.compile under sequence parallelism (torch
+    inductor's async TP rewrites the plan's all-gather + matmul and matmul + reduce-scatter
+    over symmetric memory); "chunked" otherwise (parallel/async_tp.py's Functions, eager or
+    compiled, any device); None with the key off or tp 1."""
+    if not (parallelism.tp_linear_async_communication and parallelism.tp_enabled):
+        return None
+    if device_type == "cuda" and compiled and parallelism.sequence_parallel:
+        return "micro_pipeline"
+    return "chunked"
+
+
+def enable_micro_pipeline(tp_mesh) -> None:
+    """CUDA only: inductor's async TP pass and symmetric memory for the tp group."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def apply_tp(model: nn.Module, tp_mesh, parallelism, compiled: bool = False) -> nn.Module:
     """Build time: shard `model` (a whole model or one pipeline stage) over the tp mesh axis."""
-    if parallelism.tp_linear_async_communication and tp_mesh.device_type == "cpu":
-        warnings.warn("tp_linear_async_communication has no effect on CPU; running synchronously", stacklevel=2)
-    sequence_parallel = parallelism.sequence_parallel
+    sequence_parallel, overlap = parallelism.sequence_parallel, tp_overlap(parallelism, tp_mesh.device_type, compiled)
+    if overlap == "micro_pipeline":
+        enable_micro_pipeline(tp_mesh)
     outer, _ = tp_plan(sequence_parallel)
     present = {path: style for path, style in outer.items() if _has_module(model, path)}
     parallelize_module(model, tp_mesh, present)
     for block in model.model.layers.values():
-        layer = tp_plan(sequence_parallel, hasattr(block, "block_sparse_moe"))[1]
+        layer = tp_plan(sequence_parallel, hasattr(block, "block_sparse_moe"), overlap == "chunked")[1]
         parallelize_module(block, tp_mesh, {path: style for path, style in layer.items() if _has_module(block, path)})
+        if overlap == "chunked":
+            apply_async_tp(block, tp_mesh, sequence_parallel)
     return model
 
 

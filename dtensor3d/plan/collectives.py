@@ -27,8 +27,10 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * FP32
     blocks = 1 if moe else 2  # attention, and the dense feed-forward (experts are replicated over tp)
     if not p.sequence_parallel:
-        # Rowwise outputs are all-reduced forward; each colwise input's gradient backward.
-        fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": (3 + 2 * (not moe)) * full_f}
+        # Rowwise outputs are all-reduced forward; each colwise input's gradient backward
+        # (tp_linear_async_communication: one summed gradient per q/k/v or gate/up group).
+        colwise = blocks if p.tp_linear_async_communication else 3 + 2 * (not moe)
+        fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": colwise * full_f}
     else:
         fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
         bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
