@@ -161,6 +161,11 @@ RULES = (
         lambda r: not (r["model"] == "moe" and r["recompute"] == "selective" and r["compile"] == "compiled"),
     ),
     Rule(
+        "the V schedules' split backward cannot run compiled",
+        ("pp", "compile"),
+        lambda r: r["pp"] not in ("zbv", "dualpipev") or r["compile"] == "eager",
+    ),
+    Rule(
         "a whole number of microbatches per batch rank",
         ("dp", "ep", "pp"),
         lambda r: microbatches(r) == int(microbatches(r)) >= 1,
