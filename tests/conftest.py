@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers import PARITY, train_metrics
+from helpers import PARITY, smollm2_hf_dir, train_metrics
 from jobs import Job
 
 
@@ -52,6 +52,13 @@ def shared_run(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (helpers.smollm2_hf_dir), built once
+    per session (about a minute: transformers dequantizes the GGUF)."""
+    return smollm2_hf_dir(tmp_path_factory.mktemp("smollm2"))
+
+
 # ---------------------------------------------------------------- the two tiers
 # `pytest -m "not slow"` (the quick tier, under 5 minutes on 2 cores): every test that runs in
 # this process or starts only short-lived single processes, plus one 2-rank smoke run. Every
@@ -74,6 +81,7 @@ QUICK_FILES = {
     "test_moe.py",
     "test_context.py",
     "test_data.py",
+    "test_mixture.py",
     "test_checkpoint_slices.py",
     "test_nanotron.py",
     "test_families.py",
@@ -103,6 +111,7 @@ SLOW_IN_QUICK_FILES = {
     "test_trains_like_the_native_recipe_on_tp2",
     "test_init_bitwise_across_meshes",
     "test_matrix_parity",
+    "test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages",
     "test_async_tp_matches_the_key_off_and_overlaps",
     "test_document_masking_parity_across_meshes",
 }

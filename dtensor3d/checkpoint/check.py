@@ -172,6 +172,8 @@ TRAJECTORY_KEYS = (
     ("data", "kind"),
     ("data", "path"),
     ("data", "seed"),  # the sample order; null means training.seed, compared as the seed it stands for
+    ("data", "sources"),  # a mixture and the stages begun by the saved step: which source each sample came from
+    ("data", "stages"),  # (a stage that begins after the saved step may be added, changed or dropped)
     ("data", "document_masking"),  # what each token attends to; absent (older checkpoints) means false
 )
 # data.validation is not among them: it changes which windows val_loss reads, never the training samples.
@@ -185,6 +187,8 @@ def _trajectory_value(sections, section: str, key: str):
         return (sections.get(s) or {}).get(k) if isinstance(sections, dict) else getattr(getattr(sections, s), k)
 
     value = get(section, key)
+    if key in ("sources", "stages") and not isinstance(sections, dict):
+        value = sections.to_dict()[section][key]  # as the saved record writes it
     if (section, key) == ("data", "document_masking"):
         return bool(value)
     return get("training", "seed") if (section, key) == ("data", "seed") and value is None else value
@@ -193,9 +197,11 @@ def _trajectory_value(sections, section: str, key: str):
 def check_trajectory(record: dict, recipe, where: str) -> None:
     """A resume continues the saved run: the same seed, global batch, sequence length and
     data source, and training.steps not behind the saved step (equal: nothing left to do)."""
-    saved = record.get("recipe") or {}
+    saved, step = record.get("recipe") or {}, int(record.get("step", 0))
     for section, key in TRAJECTORY_KEYS:
         theirs, mine = _trajectory_value(saved, section, key), _trajectory_value(recipe, section, key)
+        if key == "stages":  # those begun by the saved step (start_step <= step); none: null
+            theirs, mine = ([s for s in v or () if s["start_step"] <= step] or None for v in (theirs, mine))
         if key == "path" and theirs is not None and mine is not None:
             theirs, mine = os.path.normpath(theirs), os.path.normpath(mine)
         if theirs != mine:
@@ -204,7 +210,6 @@ def check_trajectory(record: dict, recipe, where: str) -> None:
                 f"continues the saved run: set {section}.{key}={theirs}, or start a new run in another "
                 f"checkpoint.dir (or checkpoint.resume=none)"
             )
-    step = int(record.get("step", 0))
     if recipe.training.steps < step:
         raise CheckpointError(
             f"training.steps={recipe.training.steps} but checkpoint {where} is at step {step}; "

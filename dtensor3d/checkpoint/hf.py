@@ -21,7 +21,7 @@ from ..config.hf_config import hf_model_values, read_config_json
 from ..config.load import recipe_from_dict
 from ..config.schema import ModelConfig, Recipe
 from ..errors import CheckpointError, RecipeError
-from ..models import build_on_meta, materialize
+from ..models import build_on_meta, materialize, stored_name
 from ..models.llama import LlamaForCausalLM
 from .check import check_checkpoint, expected_shapes, model_config
 from .find import resolve
@@ -188,9 +188,10 @@ def check_hf_init(recipe) -> dict[str, str]:
 
 
 def load_params(model: torch.nn.Module, files: SliceReader) -> None:
-    """Every parameter of `model` from `files`: this rank reads only the regions its piece covers."""
+    """Every parameter of `model` from `files`: this rank reads only the regions its piece
+    covers (a tied head's copy on the last pipeline stage reads the embedding)."""
     for name, p in model.named_parameters():
-        read_into_(p, name, files)
+        read_into_(p, stored_name(model.cfg, name), files)
 
 
 def model_source(path: str, what: str) -> tuple[ModelConfig, SliceReader]:

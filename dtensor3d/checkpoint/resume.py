@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..config.lr import keep_curve_advice, lr_at
 from ..errors import RESIZE_CAUSE, CheckpointError, UserError, is_rank0
+from ..models import stored_name
 from .check import check_checkpoint, check_trajectory
 from .find import resume_target
 from .format import STATE, DamagedCheckpoint, corrupt, read_manifest, sha256_file
@@ -101,7 +102,7 @@ def load_optimizer(optimizer, model: torch.nn.Module, files: SliceReader) -> Non
         param, _, key = entry.rpartition(".")
         keys.setdefault(param, []).append(key)
     for name, p in model.named_parameters():
-        entry = {}
+        name, entry = stored_name(model.cfg, name), {}  # a tied head's copy: the embedding's moments
         for key in sorted(keys.get(name, [])):
             if not files.shape(f"{name}.{key}"):  # AdamW's step counter, kept on the CPU as AdamW keeps it
                 entry[key] = files.read(f"{name}.{key}")

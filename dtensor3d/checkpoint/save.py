@@ -12,8 +12,10 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from ..config.data_sources import mixtures_of
 from ..config.lr import lr_at
 from ..datasets.sources import data_position
+from ..models import stored_name
 from ..parallel.shards import local
 from .format import (
     SLICES,
@@ -58,6 +60,8 @@ def stage_slices(state) -> StageSlices:
     writers = Writers(state.recipe.parallelism.dims, state.coords)
     params, moments, places = {}, {}, {}
     for name, p in state.model.named_parameters():
+        if stored_name(state.model.cfg, name) != name:
+            continue  # a tied head's copy (the last pipeline stage's): the first stage saves the matrix
         if writers.writes(p):
             _add(params, places, name, p)
         for key, value in sorted(state.optimizer.state.get(p, {}).items()):
@@ -123,7 +127,8 @@ def copy_tokenizer(recipe, step_tmp: str) -> None:
     of data prepared with --chat as tokenizer_config.json's `chat_template` (a step directory
     holds safetensors and JSON only)."""
     d = recipe.data
-    folder = d.path if d.kind == "tokens" and d.path else None
+    mixtures = mixtures_of(d)  # data.path, or a mixture's first source: they share one tokenizer (the door)
+    folder = mixtures[0][1][0].path if d.kind == "tokens" and mixtures else None
     if folder and os.path.isfile(os.path.join(folder, TOKENIZER)):
         shutil.copyfile(os.path.join(folder, TOKENIZER), os.path.join(step_tmp, TOKENIZER))
     if folder and os.path.isfile(os.path.join(folder, CHAT_TEMPLATE)):

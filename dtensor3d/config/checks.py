@@ -7,6 +7,7 @@ import importlib.util
 import math
 
 from ..errors import RecipeError
+from .data_sources import mixture_problem
 from .families import FAMILIES, rope_problem
 from .schema import POSITIVE, V_SCHEDULES, ModelConfig, OptimizerConfig, ParallelismConfig, Recipe
 
@@ -168,11 +169,6 @@ def _validate_stages(m: ModelConfig, p: ParallelismConfig) -> None:
                 f"parallelism.pp_layers={list(p.pp_layers)} must be {p.pp} positive layer counts "
                 f"summing to num_hidden_layers={m.num_hidden_layers}"
             )
-    if m.tie_word_embeddings and p.pp > 1:
-        raise RecipeError(
-            f"model.tie_word_embeddings=true with parallelism.pp={p.pp}: the embedding and the head "
-            f"live on different stages; use tie_word_embeddings: false or pp: 1"
-        )
     if p.ep > 1 and m.num_local_experts == 0:
         raise RecipeError(f"parallelism.ep={p.ep}: the model has no experts (model.num_local_experts=0); valid ep: 1")
     if p.ep > 1 and m.num_local_experts % p.ep:
@@ -318,8 +314,14 @@ def _validate_decay(o: OptimizerConfig, steps: int) -> None:
 
 def _validate_rest(recipe: Recipe) -> None:
     """Data, logging, the seed, checkpoints and evaluation."""
-    if recipe.data.kind == "tokens" and not recipe.data.path:
-        raise RecipeError("data.path is required with data.kind 'tokens'; give the path of a token file")
+    problem = mixture_problem(recipe.data)
+    if problem:
+        raise RecipeError(problem)
+    if recipe.data.kind == "tokens" and not recipe.data.path and not recipe.data.sources and not recipe.data.stages:
+        raise RecipeError(
+            "data.path is required with data.kind 'tokens'; give the path of a token file or prepared directory "
+            "(or data.sources)"
+        )
     if recipe.data.kind == "synthetic" and recipe.data.path:
         raise RecipeError(
             f"data.path={recipe.data.path!r} is given but data.kind is 'synthetic', which reads no file; "

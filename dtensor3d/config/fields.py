@@ -70,6 +70,18 @@ def type_text(tp: Any) -> str:
         text = "a list of integers"
     elif base is dict:
         text = "a mapping"
+    elif typing.get_origin(base) is tuple and dataclasses.is_dataclass(typing.get_args(base)[0]):
+        keys = ", ".join(f.name for f in dataclasses.fields(typing.get_args(base)[0]))
+        text = f"a list of {{{keys}}}"
     else:
         text = str(base)
     return text + (" or null" if optional else "")
+
+
+def plain(value: Any) -> Any:
+    """Tuples as lists, all the way down (YAML's safe dumper writes no tuple)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value

@@ -15,6 +15,7 @@ import yaml
 from ..errors import RecipeError, is_rank0
 from . import nanotron, nanotron_keys
 from .checks import validate
+from .data_sources import Source, Stage, parse_sources, parse_stages
 from .fields import choices_of, unwrap_optional
 from .hf_config import hf_model_values, read_config_json
 from .lr import decay_past_end
@@ -31,7 +32,8 @@ def _kind(tp: Any) -> str:
         return "str"
     if tp in (int, float, bool):
         return tp.__name__
-    return {tuple[float, float]: "tuple[float,float]", tuple[int, ...]: "tuple[int,...]", dict: "dict"}[tp]
+    kinds = {tuple[float, float]: "tuple[float,float]", tuple[int, ...]: "tuple[int,...]", dict: "dict"}
+    return kinds.get(tp) or {tuple[Source, ...]: "sources", tuple[Stage, ...]: "stages"}[tp]
 
 
 def _coerce(where: str, value: Any, tp: Any) -> Any:
@@ -65,6 +67,8 @@ def _coerce(where: str, value: Any, tp: Any) -> Any:
         return tuple(_coerce(where, v, float) for v in value)
     if ann == "tuple[int,...]" and isinstance(value, (list, tuple)):
         return tuple(_coerce(where, v, int) for v in value)
+    if ann in ("sources", "stages"):  # config/data_sources.py: each entry's keys named in its own error line
+        return parse_sources(where, value) if ann == "sources" else parse_stages(where, value)
     raise _wrong_type(where, value, ann, optional)
 
 

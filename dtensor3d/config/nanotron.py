@@ -19,12 +19,14 @@ from typing import Any
 import yaml
 
 from ..errors import RecipeError
+from .nanotron_data import data_fields
 from .nanotron_keys import (
     APPROXIMATED,
     DIRECT,
     IGNORED,
     REFUSED,
     REQUIRED,
+    Refusal,
     flatten,
     recipe_key,
     schema_path,
@@ -83,7 +85,7 @@ def _model(r: _Reader) -> Fields:
     kv = r.get(f"{mc}.num_key_value_heads")
     dtype = r.get("model.dtype", "bfloat16")
     if dtype not in ("bfloat16", "float32"):
-        raise _Refusal("model.dtype", dtype, "valid: bfloat16 (autocast), float32")
+        raise Refusal("model.dtype", dtype, "valid: bfloat16 (autocast), float32")
     return {
         "model.vocab_size": (padded, f"{mc}.vocab_size{pad_note}"),
         "model.num_key_value_heads": (
@@ -100,7 +102,7 @@ def _training(r: _Reader) -> Fields:
     seed = r.get("general.seed")
     zero = r.get("optimizer.zero_stage", 0)
     if zero not in (0, 1):
-        raise _Refusal("optimizer.zero_stage", zero, "valid: 0 (replicated), 1 (sharded)")
+        raise Refusal("optimizer.zero_stage", zero, "valid: 0 (replicated), 1 (sharded)")
     return {
         "training.global_batch_size": (
             mbs * acc * dp * ep,
@@ -137,15 +139,15 @@ def _schedule(r: _Reader) -> Fields:
     s = "optimizer.learning_rate_scheduler"
     lr, warmup = r.get(f"{s}.learning_rate", REQUIRED), r.get(f"{s}.lr_warmup_steps", 0)
     if r.get(f"{s}.lr_warmup_style", "linear") != "linear" and warmup:
-        raise _Refusal(f"{s}.lr_warmup_style", r.get(f"{s}.lr_warmup_style"), "warmup is linear")
+        raise Refusal(f"{s}.lr_warmup_style", r.get(f"{s}.lr_warmup_style"), "warmup is linear")
     style = r.get(f"{s}.lr_decay_style", "linear")
     if style not in ("cosine", "linear", "1-sqrt"):
-        raise _Refusal(f"{s}.lr_decay_style", style, "valid: cosine, linear, 1-sqrt")
+        raise Refusal(f"{s}.lr_decay_style", style, "valid: cosine, linear, 1-sqrt")
     start, decay = r.get(f"{s}.lr_decay_starting_step"), r.get(f"{s}.lr_decay_steps")
     if start is not None and not warmup <= start <= r.get("tokens.train_steps", REQUIRED):
-        raise _Refusal(f"{s}.lr_decay_starting_step", start, f"valid: lr_warmup_steps={warmup} to tokens.train_steps")
+        raise Refusal(f"{s}.lr_decay_starting_step", start, f"valid: lr_warmup_steps={warmup} to tokens.train_steps")
     if decay is not None and decay < 1:
-        raise _Refusal(f"{s}.lr_decay_steps", decay, "valid: >= 1")
+        raise Refusal(f"{s}.lr_decay_steps", decay, "valid: >= 1")
     min_lr = r.get(f"{s}.min_decay_lr")
     return {
         "optimizer.decay": (style, f"{s}.lr_decay_style"),
@@ -161,13 +163,6 @@ def _schedule(r: _Reader) -> Fields:
     }
 
 
-class _Refusal(Exception):
-    """A value that would change the maths and that dtensor3d cannot honour."""
-
-    def __init__(self, path: str, value: Any, why: str):
-        super().__init__(f"{path}={value!r} ({why})")
-
-
 def _checkpoint(r: _Reader) -> Fields:
     resume = r.get("checkpoints.resume_checkpoint_path")
     if resume is not None:
@@ -176,36 +171,6 @@ def _checkpoint(r: _Reader) -> Fields:
         why = "checkpoints.resume_checkpoint_path unset: auto, the newest complete checkpoint in checkpoint.dir"
         return {"checkpoint.resume": ("auto", why)}
     return {}
-
-
-def _data(r: _Reader) -> Fields:
-    """One data stage: nanotron's dummy data (dataset null) -> synthetic, or a token file."""
-    stages = r.get("data_stages") or []
-    if len(stages) > 1:
-        raise _Refusal(
-            "data_stages", [s.get("name") for s in stages], "one data stage per run; run each stage as its own recipe"
-        )
-    if not stages:
-        return {"data.kind": ("synthetic", "data_stages unset: synthetic tokens (nanotron: dummy data)")}
-    seq = r.get("data_stages.0.sequence_length")
-    if seq is not None and seq != r.get("tokens.sequence_length"):
-        raise _Refusal("data_stages.0.sequence_length", seq, "the stage trains at tokens.sequence_length")
-    dataset = r.get("data_stages.0.data.dataset")
-    if dataset is None:
-        return {"data.kind": ("synthetic", "data_stages.0.data.dataset null: synthetic tokens (nanotron: dummy data)")}
-    folder = dataset.get("dataset_folder") if isinstance(dataset, dict) else None
-    if isinstance(folder, list) and len(folder) == 1:
-        folder = folder[0]
-    if isinstance(folder, str) and folder.endswith((".npy", ".bin")):
-        return {
-            "data.kind": ("tokens", "data_stages.0.data.dataset.dataset_folder: a token file"),
-            "data.path": (folder, "data_stages.0.data.dataset.dataset_folder"),
-        }
-    raise _Refusal(
-        "data_stages.0.data.dataset",
-        dataset,
-        "give a token file: python -m dtensor3d prepare-data, then data.kind=tokens data.path=FILE",
-    )
 
 
 def _profiler(r: _Reader) -> Fields:
@@ -217,7 +182,7 @@ def _profiler(r: _Reader) -> Fields:
     first = p["skip_first"] + p["wait"] + p["warmup"] + 1
     last, steps = first + p["active"] - 1, r.get("tokens.train_steps", REQUIRED)
     if last > steps:
-        raise _Refusal("profiler", p, f"it profiles steps {first}..{last}, past tokens.train_steps={steps}")
+        raise Refusal("profiler", p, f"it profiles steps {first}..{last}, past tokens.train_steps={steps}")
     why = "profiler: steps skip_first + wait + warmup + 1 .. + active - 1 (repeat: once), traces in run_dir/profile"
     return {"logging.profile_steps": ([first, last], why)}
 
@@ -242,14 +207,14 @@ def _map(flat: dict[str, Any], skip: set[str]) -> tuple[Fields, list[str]]:
         _optimizer: None,
         _checkpoint: None,
         _profiler: None,
-        _data: {"data.kind", "data.path"},
+        data_fields: {"data.kind", "data.path", "data.sources", "data.stages"},
     }
     for fn, produces in steps.items():
         if produces and produces & skip:
             continue
         try:
             fields.update(fn(r))
-        except _Refusal as e:
+        except Refusal as e:
             refused.append(str(e))
     return fields, refused
 
@@ -268,7 +233,7 @@ class Conversion:
 def convert(raw: dict, overrides=()) -> Conversion:
     """Map a nanotron config (a dict as read from YAML) and overrides onto recipe fields."""
     nano, recipe_over = split_overrides(overrides)
-    raw = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy the overrides may change
+    raw = yaml.safe_load(yaml.safe_dump(raw, sort_keys=False))  # a deep copy the overrides may change, in file order
     for parts, value in nano:
         set_path(raw, parts, value, ".".join(parts))
     flat = flatten(raw)

@@ -16,6 +16,14 @@ from ..errors import RecipeError
 NANOTRON_SECTIONS = ("general", "tokens", "checkpoints", "data_stages", "tokenizer", "profiler", "lighteval")
 REQUIRED = object()  # a nanotron field with no default
 
+
+class Refusal(Exception):
+    """A value that would change the maths and that dtensor3d cannot honour."""
+
+    def __init__(self, path: str, value: Any, why: str):
+        super().__init__(f"{path}={value!r} ({why})")
+
+
 # nanotron path -> (recipe field, nanotron's default): copied as they are ('*': a data stage).
 DIRECT: dict[str, tuple[str, Any]] = {
     "parallelism.dp": ("parallelism.dp", REQUIRED),

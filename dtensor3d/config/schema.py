@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import fields
+from .data_sources import Source, Stage
 from .families import FAMILIES
 from .fields import choices_of, field_types, knob
 
@@ -287,9 +288,9 @@ class DataConfig:
     kind: Literal["synthetic", "tokens"] = knob("synthetic", "synthetic: seeded random tokens; tokens: data.path")
     path: str | None = knob(None, "tokens: a prepared directory (prepare-data) or one .npy / .bin token file")
     seed: int | None = knob(None, "the sample order's seed; null: training.seed")
-    validation: str | None = knob(
-        "split", "validation windows: split (data.path's held-out documents), a prepared directory, or null"
-    )
+    validation: str | None = knob("split", "validation windows: split (held-out documents), a prepared dir, or null")
+    sources: tuple[Source, ...] | None = knob(None, "a weighted mixture of prepared directories, not data.path")
+    stages: tuple[Stage, ...] | None = knob(None, "mixtures taking over at steps (start_step counts from 1)")
     document_masking: bool = knob(
         False, "packed documents: attention within each document, RoPE positions restarting at each (prepared dirs)"
     )
@@ -352,11 +353,7 @@ class Recipe:
         if not self.model.num_local_experts:
             for key in EXPERT_ONLY:
                 del out["model"][key]
-        for section in out.values():
-            for key, value in section.items():
-                if isinstance(value, tuple):
-                    section[key] = list(value)
-        return out
+        return fields.plain(out)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}

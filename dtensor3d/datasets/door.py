@@ -6,8 +6,9 @@ meta.json records (and, with `hashes`, the sha256 it records: validate / launch.
 vocabulary within model.vocab_size, at least one sample of training tokens, and the
 validation windows a run with eval_every > 0 reads. One token file: .npy of an integer
 dtype and one dimension, or .bin of uint16; at least one sample; every id in
-0..model.vocab_size-1 (a vectorised min/max over the memory map, in blocks).
-data.document_masking: only a prepared directory (its document offsets).
+0..model.vocab_size-1 (a vectorised min/max over the memory map, in blocks). A mixture
+(data.sources, data.stages): every source a prepared directory as above, all of one tokenizer.
+data.document_masking: only prepared directories (their document offsets).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import os
 
 import numpy as np
 
+from ..config.data_sources import unique_sources
 from ..errors import DataError
-from .tokendir import META, docs_name, mask_name, read_meta, sha256_file
+from .tokendir import META, TOKENIZER, docs_name, mask_name, read_meta, sha256_file
 
 BLOCK = 1 << 24  # tokens per block of the id range check
 
@@ -133,11 +135,44 @@ def _check_validation(recipe, hashes: bool) -> None:
     )
 
 
+def _check_mixture(recipe, hashes: bool) -> None:
+    """data.sources / data.stages: each source a prepared directory (checked as data.path is),
+    all with one tokenizer (tokenizer.json's bytes) and one vocabulary; with eval_every > 0
+    and data.validation split, at least one validation window among them."""
+    first, seen = None, []
+    for where, source in unique_sources(recipe.data):
+        if not os.path.isdir(source.path):
+            raise DataError(
+                f"{where}.path {source.path!r}: no such directory; give a prepared directory (prepare-data)"
+            )
+        meta = check_prepared_dir(source.path, recipe, hashes)
+        file = os.path.join(source.path, TOKENIZER)
+        tokenizer = (meta["vocab_size"], sha256_file(file) if os.path.isfile(file) else None)
+        if first is None:
+            first = (where, source.path, tokenizer)
+        elif tokenizer != first[2]:
+            raise DataError(
+                f"{where}.path {source.path!r}: its tokenizer ({TOKENIZER}, vocabulary {tokenizer[0]}) differs from "
+                f"{first[0]}'s {first[1]!r} (vocabulary {first[2][0]}); a mixture's sources share one tokenizer: "
+                "prepare them with the same --tokenizer"
+            )
+        seen.append(meta["splits"]["val"]["tokens"])
+    if recipe.training.eval_every > 0 and recipe.data.validation == "split":
+        if max(seen) < recipe.training.sequence_length + 1:
+            raise DataError(
+                f"data.validation=split: no source of the mixture has a validation window of "
+                f"{recipe.training.sequence_length + 1} tokens; prepare one with --val-fraction, give a "
+                "prepared directory, or set training.eval_every: 0"
+            )
+    elif recipe.training.eval_every > 0:
+        _check_validation(recipe, hashes)
+
+
 def _check_document_masking(d) -> None:
     """data.document_masking needs document offsets: only a prepared directory has them."""
     if d.kind != "tokens":
         where = f"data.kind={d.kind!r} has no documents"
-    elif not os.path.isdir(d.path):
+    elif d.path is not None and not os.path.isdir(d.path):
         where = f"data.path {d.path!r} is a single token file, which records no document boundaries"
     else:
         return
@@ -153,6 +188,9 @@ def check_data_at_door(recipe, hashes: bool = False) -> None:
     if d.document_masking:
         _check_document_masking(d)
     if d.kind != "tokens":
+        return
+    if d.sources is not None or d.stages is not None:
+        _check_mixture(recipe, hashes)
         return
     if not os.path.exists(d.path):
         raise DataError(f"data.path {d.path!r}: no such file or directory; give a prepared directory or a token file")

@@ -51,17 +51,26 @@ def data_seed(recipe) -> int:
 
 
 def prepared_source(recipe, split: str):
-    """A prepared directory (datasets/tokens.py). "train": seeded windows, a fresh permutation
-    each epoch. "validation": the fixed windows of data.validation ("split": data.path's own
-    validation split; a directory: that prepared directory's validation split, or its
-    training split when it has no validation part), window j mod their count."""
+    """A prepared directory (datasets/tokens.py) or a mixture of them (data.sources /
+    data.stages: datasets/mixture.py). "train": seeded windows, a fresh permutation each
+    epoch. "validation": the fixed windows of data.validation ("split": data.path's own
+    validation split, or every mixture source's, source after source; a directory: that
+    prepared directory's validation split, or its training split when it has no validation
+    part), window j mod their count."""
+    from ..config.data_sources import unique_sources
+    from .mixture import Mixture, MixtureValidation
     from .tokens import TrainWindows, ValidationWindows, read_meta
 
     d, length = recipe.data, recipe.training.sequence_length
+    mixed = d.sources is not None or d.stages is not None
+    if split == "train" and mixed:
+        return Mixture(d, length, recipe.training.global_batch_size, data_seed(recipe))
     if split == "train":
         return TrainWindows(d.path, length, data_seed(recipe))
     if d.validation is None:
         raise DataError("data.validation is null: no validation windows; set training.eval_every: 0 or give one")
+    if mixed and d.validation == "split":
+        return MixtureValidation([s for _, s in unique_sources(d)], length)
     path = d.path if d.validation == "split" else d.validation
     meta = read_meta(path)
     part = "val" if d.validation == "split" or meta["splits"]["val"]["tokens"] > length else "train"
@@ -73,7 +82,7 @@ def make_source(recipe, split: str = "train"):
     "validation" split."""
     t, d = recipe.training, recipe.data
     length = t.sequence_length + 1
-    if d.kind == "tokens" and os.path.isdir(d.path):
+    if d.kind == "tokens" and (d.path is None or os.path.isdir(d.path)):
         return prepared_source(recipe, split)
     if d.kind == "tokens":
         if split != "train":
@@ -106,9 +115,12 @@ def epoch_note(source, recipe, step: int) -> str | None:
 def data_position(recipe, step: int) -> dict:
     """The data's part of a checkpoint record: which source, in which order, how far it is read
     (sample i of a run is a pure function of the seed and i, so this is the whole position)."""
+    d = recipe.data
+    mixture = {} if d.sources is None and d.stages is None else recipe.to_dict()["data"]
     return {
         "kind": recipe.data.kind,
         "path": recipe.data.path,
+        **{key: mixture[key] for key in ("sources", "stages") if mixture},
         "seed": recipe.training.seed,
         "samples_consumed": step * recipe.training.global_batch_size,
     }

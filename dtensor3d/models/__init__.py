@@ -38,11 +38,29 @@ def _no_module_init():
             cls.reset_parameters = reset
 
 
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def stored_name(cfg, name: str) -> str:
+    """The name a parameter is initialised, saved and loaded under: a tied model's head
+    weight is the embedding's (a pipeline's last stage holds its own copy of it)."""
+    return EMBEDDING if name == HEAD and cfg.tie_word_embeddings else name
+
+
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Allocate (uninitialised) storage for a meta model on `device` and re-tie the head to
-    the embedding where the config ties them (`to_empty` unties them)."""
+    the embedding where they were one parameter (`to_empty` unties them). A rank holding the
+    first and the last pipeline stage (zbv, dualpipev) keeps two copies, one per stage
+    module (parallel/tied.py sums their gradients)."""
+    tied = _is_tied(model)
     model.to_empty(device=device)
-    return tie_weights(model)
+    return tie_weights(model) if tied else model
+
+
+def _is_tied(model: nn.Module) -> bool:
+    head, model_ = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(model_, "embed_tokens", None)
+    return head is not None and embed is not None and head.weight is embed.weight
 
 
 def tie_weights(model: nn.Module) -> nn.Module:

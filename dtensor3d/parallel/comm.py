@@ -7,9 +7,9 @@ collectives (DTensor's redistributes under tp). It adds the bytes of the op's in
 all-gather counts the local piece, a reduce-scatter the whole input, an all-reduce the
 tensor, an all-to-all what the rank sends, send/recv the sent tensor (a recv counts nothing:
 its bytes are the peer's send). The group names the mesh dim: tp, pp, cp, ep; dp, dp_cp,
-ep_dp_cp (and HSDP's views) -> "dp"; the step's stats all-reduce on the default group ->
-"world". Dims that share one process group (e.g. cp and dp_cp at dp 1) are counted under
-their names joined by "+".
+ep_dp_cp (and HSDP's views) -> "dp"; a tied embedding's group (pp > 2) -> "pp"; the step's
+stats all-reduce on the default group -> "world". Dims that share one process group (e.g. cp
+and dp_cp at dp 1) are counted under their names joined by "+".
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..mesh import AXES, mesh_axis, mesh_views
+from .tied import GROUP_DESC as TIED_GROUP
 
 KINDS = (
     ("reduce_scatter", "reduce_scatter"),
@@ -60,6 +61,9 @@ def group_dims(mesh) -> dict[str, str]:
         dims = names.setdefault(mesh_axis(mesh, view).get_group().group_name, [])
         if dim not in dims:
             dims.append(dim)
+    for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+        if getattr(pg, "group_desc", "").startswith(TIED_GROUP):  # a tied embedding's group at pp > 2
+            names.setdefault(name, ["pp"])
     return {group: "+".join(sorted(dims)) for group, dims in names.items()}
 
 

@@ -161,3 +161,11 @@ def rows_of(docs: dict, rows: slice) -> dict:
 def batch_to(batch: tuple, device: torch.device) -> tuple:
     """Every tensor of a batch (and of the documents' dict in it) on `device`."""
     return tuple({k: t.to(device) for k, t in x.items()} if isinstance(x, dict) else x.to(device) for x in batch)
+
+
+def rank_sources(recipe, coords: dict[str, int], source, step: int) -> torch.Tensor:
+    """Step time, a data mixture: the source index of each of this rank's samples (rank_samples'
+    rows, in order)."""
+    p = recipe.parallelism
+    indices = sample_indices(recipe, step, p.batch_rank(coords), p.batch_ranks)
+    return torch.tensor([source.source_of(i) for i in indices], dtype=torch.int64)

@@ -17,6 +17,7 @@ import sys
 import torch
 from torch import nn
 
+from ..models import stored_name
 from ..models.layers import init_std
 
 
@@ -92,8 +93,10 @@ def param_seed(seed: int, name: str) -> int:
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
     """Topology-independent init: each full parameter is drawn from its own generator seeded
-    by (seed, name), on the CPU, then this rank keeps its slice. Same bits at any mesh."""
+    by (seed, name), on the CPU, then this rank keeps its slice. Same bits at any mesh (a
+    tied head's copy on the last pipeline stage is drawn under the embedding's name)."""
     for name, p in model.named_parameters():
+        name = stored_name(model.cfg, name)
         std = init_std(name)
         if std is None:
             full = torch.ones(p.shape)

@@ -65,6 +65,10 @@ def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
     return {**fwd, last: fwd[last] - z.tokens * z.hidden * z.compute}
 
 
+def _sum(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return _kinds(**{k: a.get(k, 0) + b.get(k, 0) for k in KINDS})
+
+
 def _add(total: dict, part: dict, times: int = 1) -> None:
     for kind, n in part.items():
         total[kind] = total.get(kind, 0) + n * times
@@ -186,6 +190,19 @@ def ep_bytes(recipe, layers: list[int]) -> dict[str, int]:
     return _kinds(all_to_all=(forwards * fwd + bwd) * _moe_layers(recipe, layers) * recipe.num_microbatches)
 
 
+def tied_bytes(recipe, part: Part, units: dict[str, dict]) -> dict[str, int]:
+    """Per step: a tied model split into pipeline stages sums the gradient of its two copies
+    of the embedding (parallel/tied.py): one all-reduce of this rank's piece over the
+    embedding group, on the first- and the last-stage rank when they differ (none under a V
+    schedule, where one rank holds both)."""
+    p, m = recipe.parallelism, recipe.model
+    if not (m.tie_word_embeddings and p.pp_enabled) or part.first == part.last:
+        return _kinds()
+    shape = param_table(recipe)["model.embed_tokens.weight"]["shape"]
+    group = units["root"]["group"] if p.fsdp_enabled else 1
+    return _kinds(all_reduce=FP32 * shard_numel(shape, group))
+
+
 def world_bytes(recipe) -> dict[str, int]:
     """The step's world all-reduce: loss, squared grad norm, aux loss, tokens per expert of
     each MoE layer; with balancing on, a second one of each MoE layer's bias [-min, max]."""
@@ -207,7 +224,7 @@ def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, i
             {
                 "tp": tp_bytes(recipe, part),
                 "dp": dp_bytes(recipe, units),
-                "pp": pp_bytes(recipe, part),
+                "pp": _sum(pp_bytes(recipe, part), tied_bytes(recipe, part, units)),
                 "cp": cp_bytes(recipe, part.layers, backend),
                 "ep": ep_bytes(recipe, part.layers),
                 "world": world_bytes(recipe),

@@ -95,6 +95,9 @@ def param_table(recipe) -> dict[str, dict]:
         row = {"stage": stage_rank(p, stage), "pp_stage": stage, "unit": unit, "group": group}
         row["grad"] = not name.endswith("e_score_correction_bias")  # the router's bias: moved, not trained
         out[name] = row | {"shape": _local_shape(recipe, name, shape)}
+    if m.tie_word_embeddings and p.pp_enabled:  # the last stage's copy of the tied matrix (parallel/tied.py)
+        head = out["model.embed_tokens.weight"] | {"stage": stage_rank(p, len(layers) - 1), "pp_stage": len(layers) - 1}
+        out["lm_head.weight"] = head
     return out
 
 

@@ -151,7 +151,8 @@ class MetricsLog:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.writer is not None:
-            for key, tag in TB_TAGS.items():
+            tags = {**TB_TAGS, **{key: key for key in record if key.startswith("loss/")}}  # a mixture's sources
+            for key, tag in tags.items():
                 value = record.get(key)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(tag, value, record["step"])

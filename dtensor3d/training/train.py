@@ -22,13 +22,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import checkpoint
+from ..config.data_sources import unique_sources
 from ..config.lr import lr_at
 from ..config.schema import Recipe
 from ..datasets.sources import epoch_note, make_source
 from ..errors import UserError, is_rank0
 from ..mesh import build_mesh, init_distributed, mesh_coords, set_timeout
 from ..models import materialize
-from ..parallel import context, data, expert, pipeline, tensor
+from ..parallel import context, data, expert, pipeline, tensor, tied
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
@@ -55,8 +56,11 @@ class TrainState:
     loss_fn: LossFn
     params: list[nn.Parameter]  # the trainable parameters, in a fixed order
     norm_weights: list[float]  # 1 / replication of each parameter, for the global grad norm
+    tied_copies: tied.TiedGrads | None = None  # a tied embedding split over pipeline stages (parallel/tied.py)
     step: int = 0
     compile_reported: bool = False  # training.compile: the compile time was printed (after the first step)
+    loss_rows: list[torch.Tensor] | None = None  # a data mixture: each row's [loss sum, tokens] (make_loss_fn)
+    source_names: tuple[str, ...] = ()  # a data mixture: its sources, as batches index them
     load_streaks: dict[int, int] = field(default_factory=dict)  # MoE layer -> steps over the load warning
 
     @property
@@ -71,14 +75,21 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-def make_loss_fn(global_tokens: int) -> LossFn:
+def make_loss_fn(global_tokens: int, rows: list[torch.Tensor] | None = None) -> LossFn:
     """Sum of token losses / tokens in the whole global batch: the same number at any mesh,
     and gradients that only need summing across ranks and microbatches. A target a loss mask
     excludes is data.IGNORE, cross_entropy's default ignore_index: it adds nothing (the step
-    then renormalises by the count of the others, `renormalise`)."""
+    then renormalises by the count of the others, `renormalise`). With `rows` (a data
+    mixture), each call also appends its rows' [loss sum, counted targets], detached: the
+    per-source losses are read from them (per_source_sums), off the backpropagated loss."""
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
+        if rows is None:
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum") / global_tokens
+        per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="none")
+        counted = (targets != data.IGNORE).float()  # a masked target counts nothing
+        rows.append(torch.stack([local(per_token.detach()).view_as(counted).sum(1), counted.sum(1)], 1))
+        return per_token.sum() / global_tokens
 
     return loss_fn
 
@@ -93,12 +104,17 @@ def setup(recipe: Recipe) -> TrainState:
     model = materialize(model, device)
     init_weights(model, recipe.training.seed)
     t, p = recipe.training, recipe.parallelism
-    loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length)
+    loss_rows = [] if recipe.data.sources is not None or recipe.data.stages is not None else None
+    loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length, loss_rows)
     schedule = pipeline.build_schedule(parts, mesh, device, p, recipe.num_microbatches, loss_fn)
     optimizer = build_optimizer([model], recipe.optimizer)
-    params = [q for q in model.parameters() if q.requires_grad]
-    weights = [1.0 / replication(q, dist.get_world_size(), p.pp) for q in params]
-    state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, weights)
+    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    params = [q for _, q in named]
+    share = [tied.norm_share(recipe, model.cfg, n) / replication(q, dist.get_world_size(), p.pp) for n, q in named]
+    state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, share)
+    state.tied_copies = tied.tied_grads(recipe, model, mesh)
+    if loss_rows is not None:  # the mixture's sources, in make_source's order (Mixture.names)
+        state.loss_rows, state.source_names = loss_rows, tuple(s.name for _, s in unique_sources(recipe.data))
     checkpoint.load_at_start(state)  # resume (model, optimizer, step, RNG) or Hugging Face init
     return state
 
@@ -146,22 +162,30 @@ def _microbatches(state: TrainState, inputs: torch.Tensor, targets: torch.Tensor
     return total
 
 
-def train_step(state: TrainState, batch: tuple, loss_tokens: int | None = None) -> dict:
+def train_step(
+    state: TrainState, batch: tuple, loss_tokens: int | None = None, sources: torch.Tensor | None = None
+) -> dict:
     """One optimizer step over one global batch; returns loss, grad_norm and lr (and the MoE
     statistics for a model with experts). `loss_tokens`: the global count of the targets that
-    count, where a loss mask excludes some (data.loss_tokens; None: every target counts)."""
+    count, where a loss mask excludes some (data.loss_tokens; None: every target counts).
+    `sources`: a data mixture's source index of each of this rank's rows (data.rank_sources),
+    for `loss/<name>` and `tokens/<name>` of each source in the step."""
     recipe = state.recipe
     state.optimizer.zero_grad(set_to_none=True)
+    if state.loss_rows is not None:
+        state.loss_rows.clear()  # validation's rows too, since the last step
     loss_sum = renormalise(state, forward_backward(state, *batch), loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
+    tied.sync_tied_grads(state.tied_copies)  # a tied embedding's copies on the first and last stage
     expert.sum_tp_grads(state.model, recipe.parallelism, state.mesh)
     # One world all-reduce carries the loss (from the last stage's tp-rank-0 ranks), the
     # squared grad norm (each copy weighted by 1 / its replication) and the MoE statistics.
     reports_loss = state.is_last_stage and state.coords["tp"] == 0
     grad_sq = grad_sq_partial(state.params, state.norm_weights).to(state.device)
     moe = balance.step_stats(state.model, recipe, state.coords, state.device)
-    stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe])
+    per_source = per_source_sums(state, sources) * reports_loss
+    stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe, per_source.flatten()])
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
     lr = lr_at(state.step, recipe.optimizer, recipe.training.steps)
@@ -172,13 +196,14 @@ def train_step(state: TrainState, batch: tuple, loss_tokens: int | None = None) 
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         state.optimizer.step()
-        balance.update_router_bias(state.model, recipe, stats[2:])
+        balance.update_router_bias(state.model, recipe, stats[2 : 2 + len(moe)])
     state.step += 1
     metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
     if bad is not None:
         metrics["nonfinite"] = bad  # the loop stops or counts it (faults.SkipCount)
     if recipe.model.num_local_experts:
-        _moe_metrics(state, metrics, stats[2:])
+        _moe_metrics(state, metrics, stats[2 : 2 + len(moe)])
+    metrics.update(source_metrics(stats[2 + len(moe) :].view(-1, 2), state.source_names))
     return metrics
 
 
@@ -192,6 +217,30 @@ def _moe_metrics(state: TrainState, metrics: dict, stats: torch.Tensor) -> None:
     line = balance.load_warning(state.load_streaks, metrics["expert_load_by_layer"], recipe)
     if line and is_rank0():
         print(line, flush=True)
+
+
+def per_source_sums(state: TrainState, sources: torch.Tensor | None) -> torch.Tensor:
+    """[n_sources, 2]: this rank's loss sum and token count of each source's rows: the last
+    len(sources) rows the loss recorded, in the order its microbatches computed them (every
+    pipeline schedule computes a stage's microbatch losses in microbatch order, after the
+    loss call of its first step's shape inference). Empty without a mixture; zeros where
+    this rank computes no loss."""
+    if sources is None:
+        return torch.zeros(0, 2, device=state.device)
+    sums = torch.zeros(len(state.source_names), 2, device=state.device)
+    if state.loss_rows:
+        sums.index_add_(0, sources.to(state.device), torch.cat(state.loss_rows)[-len(sources) :].float())
+    return sums
+
+
+def source_metrics(sums: torch.Tensor, names) -> dict:
+    """`loss/<name>` (token-weighted over the global batch) and `tokens/<name>` of each source
+    that has tokens in the step."""
+    out = {}
+    for name, (loss, tokens) in zip(names, sums.tolist()):
+        if tokens > 0:
+            out[f"loss/{name}"], out[f"tokens/{name}"] = loss / tokens, int(tokens)
+    return out
 
 
 def renormalise(state: TrainState, loss_sum: torch.Tensor, loss_tokens: int | None) -> torch.Tensor:
@@ -234,7 +283,8 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
         print(note, flush=True)  # the sample order enters a new epoch in this step
     with guard.step(state), hooks.during_step(found, state):
         batch = rank_batch(state, source, state.step)
-        metrics = train_step(state, batch, data.loss_tokens(recipe, source, state.step))
+        mixed = data.rank_sources(recipe, state.coords, source, state.step) if state.loss_rows is not None else None
+        metrics = train_step(state, batch, data.loss_tokens(recipe, source, state.step), mixed)
     seconds = time.perf_counter() - start
     guard.check(metrics)
     for hook in found:

@@ -6,6 +6,7 @@ the same recipe written natively, at 1 process and on a tp=2 mesh."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -291,3 +292,89 @@ def test_wsd_config_trains_through_launch_sh_at_the_formulas_lr(tmp_path):
     assert [row["lr"] for row in rows] == pytest.approx(want, rel=1e-12, abs=0)
     # warmup, stable, 1-sqrt down, then min_decay_lr held: the WSD shape itself.
     assert want[0] == want[1] == want[2] == want[3] == 3e-4 and want[5] == 3e-5 and 3e-5 < want[4] < 3e-4
+
+
+# ---------------------------------------------------------------- data_stages (issue 22 item 2)
+TINY = str(ROOT / "tests" / "nanotron_configs" / "config_tiny_llama.yaml")
+
+
+def with_stages(*stages: tuple[int, object]) -> dict:
+    """small_llama.yaml with data_stages [(start_training_step, dataset), ...]."""
+    raw = raw_config()
+    raw["data_stages"] = [
+        {"name": f"stage {k}", "start_training_step": start, "data": {"dataset": dataset, "seed": 1}}
+        for k, (start, dataset) in enumerate(stages)
+    ]
+    return raw
+
+
+def test_data_stages_map_onto_sources_and_stages():
+    one = {"dataset_folder": "data/web"}
+    mix = {"dataset_folder": {"data/web": 0.3, "data/code": 0.7}}
+    listed = {"dataset_folder": ["data/web", "data/math"], "dataset_weights": [1, 3]}
+    d = convert(with_stages((1, one)), shrink())[0].data
+    assert (d.kind, d.path, d.sources, d.stages) == ("tokens", "data/web", None, None)
+    d = convert(with_stages((1, mix), (3, listed)), shrink())[0].data
+    assert [(s.name, s.path, s.weight) for s in d.sources] == [("web", "data/web", 0.3), ("code", "data/code", 0.7)]
+    assert len(d.stages) == 1 and d.stages[0].start_step == 3
+    assert [(s.name, s.weight) for s in d.stages[0].sources] == [("web", 1.0), ("math", 3.0)]
+    # Dummy data in every stage: synthetic tokens, as one stage of it was.
+    assert convert(with_stages((1, None), (5, None)), shrink())[0].data.kind == "synthetic"
+    refusals = [
+        (with_stages((1, None), (5, one)), "data_stages.0.data.dataset=None"),
+        (with_stages((1, one), (5, {"dataset_folder": ["a", "b"]})), "data_stages.1.data.dataset.dataset_weights"),
+        (with_stages((2, one)), "data_stages.0.start_training_step=2"),
+        (with_stages((1, one), (4, mix), (3, one)), "data_stages.2.start_training_step=3"),
+        (with_stages((1, one), (3, {"dataset_folder": "ids.npy"})), "a mixture reads prepared directories"),
+    ]
+    for raw, words in refusals:
+        with pytest.raises(RecipeError, match="^nanotron config: cannot honour ") as e:
+            convert(raw, shrink())
+        assert words in str(e.value), str(e.value)
+
+
+def test_config_tiny_llama_as_published_is_refused_only_for_its_hub_dataset():
+    proc = cli_process("validate", TINY, "parallelism.pp=1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert (
+        "data_stages.0.data.dataset=" in lines[0] and "stas/openwebtext-10k" in lines[0] and "prepare-data" in lines[0]
+    )
+    assert "data_stages'" not in lines[0] and "one data stage per run" not in lines[0]  # the stages themselves map
+
+
+def test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages(tmp_path):
+    """nanotron's config_tiny_llama, its two stages on prepared directories (web, then web 1 :
+    math 3 from step 3), 4 steps, at dp 2 x tp 2 (at its pp 2, micro_batch_size 2 x
+    batch_accumulation_per_replica 1 gives each dp rank one microbatch, fewer than pp: refused
+    at the door for 1F1B): every step's lr is the formula's (decay_steps 13 past the run:
+    one warning line), and each stage's sources and shares are in metrics.jsonl."""
+    from helpers import prepare_words
+
+    web, math_ = (prepare_words(tmp_path, n, 6, seed, val_fraction=0.0) for n, seed in (("web", 1), ("math", 2)))
+    stages = [
+        f"data_stages.0.data.dataset={{dataset_folder: {web}}}",
+        f"data_stages.1.data.dataset={{dataset_folder: {{{web}: 1, {math_}: 3}}}}",
+        "data_stages.1.start_training_step=3",
+    ]
+    shrink_ = ["tokens.train_steps=4", "model.model_config.vocab_size=264", "parallelism.pp=1"]
+    where = [f"checkpoints.checkpoints_path={tmp_path / 'ck'}", f"logging.run_dir={tmp_path / 'run'}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    launch = ["bash", "launch.sh", TINY, *stages, *shrink_, *where, "training.device=cpu"]
+    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    # One line (launch.sh's validate and rank 0 each print it: the same line twice).
+    assert len(set(warnings)) == 1 and "ends the decay at step 15, past training.steps=4" in warnings[0], proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    recipe = load_recipe(TINY, [*stages, *shrink_, *where])
+    assert [row["lr"] for row in rows] == pytest.approx(
+        [scheduled_lr(s, recipe.optimizer, 4) for s in range(4)], rel=1e-12, abs=0
+    )
+    tokens = [{k: v for k, v in row.items() if k.startswith("tokens/")} for row in rows]
+    assert tokens == [{"tokens/web": 1024}] * 2 + [{"tokens/web": 256, "tokens/math": 768}] * 2  # 4 samples of 256
+    for row in rows:
+        assert all(math.isfinite(row[k]) for k in row if k.startswith("loss"))
+        assert row["loss"] == pytest.approx(
+            sum(row[f"loss/{k[7:]}"] * v for k, v in row.items() if k.startswith("tokens/")) / 1024, rel=1e-6
+        )

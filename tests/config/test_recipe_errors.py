@@ -101,7 +101,6 @@ CASES = [
     ),
     Case("layers-fewer-than-pp", ("num_hidden_layers=1", "pp=2"), edit={"model.num_hidden_layers": 1}),
     Case("pp-layers-bad-sum", ("pp_layers", "[1, 1]"), edit={"parallelism.pp_layers": [1, 1]}),
-    Case("tied-embeddings-with-pp", ("tie_word_embeddings", "pp=2"), edit={"model.tie_word_embeddings": True}),
     Case("ep-without-experts", ("ep=2", "num_local_experts=0"), edit={"parallelism.expert_parallel_size": 2}),
     Case("experts-negative", ("num_local_experts", "-1"), edit={"model.num_local_experts": -1}),
     Case("rms-eps-negative", ("rms_norm_eps", "-1"), edit={"model.rms_norm_eps": -1.0}),

@@ -146,11 +146,6 @@ RULES = (
         door=False,
     ),
     Rule(
-        "tied embeddings: the embedding and the head on one stage",
-        ("tied", "pp"),
-        lambda r: r["tied"] == "untied" or r["pp"] == "1",
-    ),
-    Rule(
         "the V schedules (zbv, dualpipev) recompute whole layers or none",
         ("pp", "recompute"),
         lambda r: r["pp"] not in ("zbv", "dualpipev") or r["recompute"] != "selective",

@@ -20,6 +20,7 @@ from helpers import (
     ROOT,
     SAVES_AT_3_AND_6,
     SAVES_AT_5_AND_10,
+    TIED_TP2_PP2,
     assert_parity,
     check_comm,
     check_layout,
@@ -40,7 +41,14 @@ CONFIGS = {
     "dp2": ["parallelism.dp=2"],
     # tp 4 ALL_REDUCE: one kv head per rank.
     "tp4": ["parallelism.tp=4", "parallelism.tp_mode=ALL_REDUCE"],
-    "pp4_1f1b_8mb": ["parallelism.pp=4", "training.micro_batch_size=1"],
+    # pp 4 with tied embeddings: the embedding group is a 2-rank group of stages 0 and 3
+    "pp4_1f1b_8mb_tied_embeddings": [
+        "parallelism.pp=4",
+        "training.micro_batch_size=1",
+        "model.tie_word_embeddings=true",
+    ],
+    # tp 2 x pp 2 with tied embeddings: a copy on each stage, their gradients summed every step.
+    "tp2_pp2_tied_embeddings": [*TIED_TP2_PP2, "parallelism.tp_mode=REDUCE_SCATTER"],
     "dp2_tp2_pp2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"],
     # Context parallelism at 4, by nanotron's key (context_parallel_size, cp's alias).
     "cp4": ["parallelism.context_parallel_size=4"],
@@ -68,7 +76,12 @@ CONFIGS = {
 
 # Configurations whose run test_checkpoint also uses (conftest.shared_run): the same run, saving
 # checkpoints as it goes (saving leaves training bitwise unchanged: test_checkpoint).
-SHARED = {"dp2_tp2_pp2": SAVES_AT_5_AND_10, "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6}
+SHARED = {
+    "dp2_tp2_pp2": SAVES_AT_5_AND_10,
+    "qwen2_biases_dp2_tp2": SAVES_AT_3_AND_6,
+    "tp2_pp2_tied_embeddings": SAVES_AT_3_AND_6,
+    "dp2_tp2_tied_embeddings": SAVES_AT_3_AND_6,
+}
 LONG = {"dp2_tp2_pp2"}  # keeps the recipe's 10 steps (its checkpoints at 5 and 10)
 assert CONFIGS["dp2_tp2_pp2"] == MESH_822
 

@@ -10,7 +10,7 @@ from dtensor3d.config.load import load_recipe
 from dtensor3d.plan.collectives import comm_bytes
 from dtensor3d.plan.estimate import estimate
 from dtensor3d.plan.memory import bubble_fraction, in_flight
-from dtensor3d.plan.params import KINDS, shard_numel
+from dtensor3d.plan.params import KINDS, param_table, shard_numel
 
 # The parity recipe's parameter shapes (vocab 256, hidden 64, 8 heads / 4 kv heads of 8, inter 128).
 EMBED, LAYER_SHAPES, NORM = [256, 64], [[64, 64], [32, 64], [32, 64], [64, 64], [128, 64], [128, 64], [64, 128]], [64]
@@ -341,3 +341,23 @@ def test_zbv_weight_backward_holds_a_recomputation_per_parameter():
     # whole backwards (interleaved) hold nothing past their backward; no recompute: no W copies
     assert split_backward_bytes(recipe("parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b"), range(1)) == 0
     assert weight_pass_bytes(recipe("parallelism.pp=2", "parallelism.pp_engine=zbv"), range(1, 2), first=False) == 0
+
+
+@pytest.mark.parametrize("engine", ["1f1b", "zbv"])
+def test_tied_embeddings_under_pp_count_a_copy_per_stage_and_their_all_reduce(engine):
+    """A tied model at pp 2 x dp 2: the last stage holds its own copy of the matrix (FSDP-
+    sharded like the embedding), and the ranks of the first and the last stage all-reduce
+    their gradient pieces (counted under pp); under zbv rank 0 holds both and sums locally."""
+    tied = ["model.tie_word_embeddings=true", "parallelism.pp=2", "parallelism.dp=2", f"parallelism.pp_engine={engine}"]
+    recipe, untied = load_recipe(PARITY, tied), load_recipe(PARITY, tied[1:])
+    m, table = recipe.model, param_table(recipe)
+    head, embed = table["lm_head.weight"], table["model.embed_tokens.weight"]
+    assert (embed["stage"], head["stage"]) == ((0, 1) if engine == "1f1b" else (0, 0))
+    assert head["shape"] == embed["shape"] == [m.vocab_size, m.hidden_size]
+    assert "lm_head.weight" not in param_table(load_recipe(PARITY, tied[:1]))  # pp 1: one parameter
+    piece = 4 * shard_numel(embed["shape"], embed["group"])  # fp32, this rank's FSDP chunk
+    for got, base in zip(comm_bytes(recipe, "gloo"), comm_bytes(untied, "gloo")):
+        extra = got["pp"]["all_reduce"] - base["pp"]["all_reduce"]
+        assert extra == (piece if engine == "1f1b" else 0)
+    rows, base_rows = estimate(recipe)["stages"], estimate(untied)["stages"]
+    assert [r["params"] for r in rows] == [r["params"] for r in base_rows]  # the head's place is the copy's

@@ -15,6 +15,7 @@ import pytest
 from helpers import PARITY
 
 from dtensor3d.config.load import load_recipe
+from dtensor3d.models import stored_name
 from dtensor3d.plan.estimate import estimate
 from dtensor3d.plan.params import param_table, shard_numel
 from dtensor3d.plan.shapes import param_shapes, tp_dim
@@ -142,7 +143,11 @@ def test_tp_dim_reads_the_tp_plan(config):
 # -- --simulate against the estimate -----------------------------------------------------
 
 MESHES = {
-    "tp2_pp2": (PARITY, ["parallelism.tp=2", "parallelism.pp=2", "training.global_batch_size=2"]),
+    # tied embeddings under pp: the last stage holds its own copy of the matrix
+    "tp2_pp2_tied": (
+        PARITY,
+        ["parallelism.tp=2", "parallelism.pp=2", "training.global_batch_size=2", "model.tie_word_embeddings=true"],
+    ),
     "tp2_sp_dp2_fsdp": (PARITY, ["parallelism.tp=2", "parallelism.dp=2", "parallelism.tp_mode=REDUCE_SCATTER"]),
     "dp3_fsdp_uneven": (PARITY, ["parallelism.dp=3", "training.global_batch_size=3"]),
     "pp2_uneven_layers_dp2": (PARITY, ["parallelism.pp=2", "parallelism.pp_layers=[3,1]", "parallelism.dp=2"]),
@@ -158,7 +163,10 @@ MESHES = {
     # several stages per rank: rank r holds layers r and r + 2 (interleaved), r and 3 - r with
     # the embedding and the head both on rank 0 (zbv's V)
     "pp2_interleaved_tp2": (PARITY, ["parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b", "parallelism.tp=2"]),
-    "pp2_zbv_dp2_fsdp": (PARITY, ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.dp=2"]),
+    "pp2_zbv_dp2_fsdp_tied": (
+        PARITY,
+        ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.dp=2", "model.tie_word_embeddings=true"],
+    ),
 }
 
 
@@ -169,7 +177,7 @@ def check_rank(recipe, sim: dict, table: dict, est: dict) -> None:
     fsdp = recipe.parallelism.fsdp_enabled
     for name, entry in sim["parameters"].items():
         row = table[name]
-        assert entry["shape"] == list(param_shapes(recipe.model)[name])
+        assert entry["shape"] == list(param_shapes(recipe.model)[stored_name(recipe.model, name)])
         assert entry["stored_numel"] == shard_numel(row["shape"], row["group"] if fsdp else 1), name
         if not fsdp:
             assert entry["local_shape"] == row["shape"], name

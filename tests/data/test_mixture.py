@@ -1,0 +1,200 @@
+"""Issue 22 item 2 at the sampler level (one process, no ranks): data.sources mixes prepared
+directories in exact proportions over every block of samples, data.stages switches the
+mixture at a step, and sample i is the same whichever ranks read it and in whatever order
+(1 process, dp 4, dp 2 x tp 2, a resume). Item 6: a wrong mixture is one `error:` line
+naming the key or file, exit 2, before any process starts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from helpers import PARITY, cli, cli_process, one_error_line, prepare_words
+
+from dtensor3d.config.load import load_recipe
+from dtensor3d.datasets.mixture import integer_weights
+from dtensor3d.datasets.sources import make_source
+from dtensor3d.datasets.tokens import TrainWindows
+from dtensor3d.parallel.data import local_batch, sample_indices
+
+STAGE_STEP = 60  # the second mixture begins at step 60: sample 59 * 8 = 472
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix")
+    return {name: prepare_words(root, name, 12, seed) for seed, name in enumerate(("web", "code", "math"))}
+
+
+def mixture(dirs, *extra: str) -> list[str]:
+    """Overrides: web 0.5, code 0.3, math 0.2 until step 59, then code 1 : math 3."""
+    web, code, math = (f"{{path: {dirs[n]}, weight: {w}}}" for n, w in (("web", 0.5), ("code", 0.3), ("math", 0.2)))
+    first = f"[{web}, {code}, {math}]"
+    later = f"[{{path: {dirs['code']}, weight: 1}}, {{path: {dirs['math']}, weight: 3}}]"
+    return [
+        "data.kind=tokens",
+        f"data.sources={first}",
+        f"data.stages=[{{start_step: {STAGE_STEP}, sources: {later}}}]",
+        "model.vocab_size=264",
+        "training.eval_every=0",
+        *extra,
+    ]
+
+
+def test_integer_weights_keep_the_exact_proportion():
+    assert integer_weights([0.7, 0.2, 0.1]) == [7, 2, 1]
+    assert integer_weights([0.5, 0.3, 0.2]) == [5, 3, 2]
+    assert integer_weights([3, 3]) == [1, 1] and integer_weights([2.5, 0.5]) == [5, 1]
+    assert integer_weights([1 / 3, 2 / 3]) == [1, 2]
+
+
+def test_each_source_takes_its_weight_exactly_in_every_block(dirs):
+    recipe = load_recipe(PARITY, mixture(dirs, "training.steps=200"))
+    source = make_source(recipe)
+    names = [source.window(i)[0] for i in range(1000)]
+    switch = (STAGE_STEP - 1) * 8
+    for b in range(switch // 10):  # blocks of 10 from sample 0: 5 web, 3 code, 2 math
+        assert Counter(names[10 * b : 10 * b + 10]) == {"web": 5, "code": 3, "math": 2}, b
+    for b in range((1000 - switch) // 4):  # blocks of 4 from the stage's first sample: 1 code, 3 math
+        assert Counter(names[switch + 4 * b : switch + 4 * b + 4]) == {"code": 1, "math": 3}, b
+    assert names[:20] != sorted(names[:20]) and names[:10] != names[10:20]  # shuffled, and not one fixed order
+    # No draw of a source twice: within each source's first epoch, every window once.
+    picks = [source.pick(i) for i in range(1000)]
+    draws = [(s.name, d) for s, d in picks]
+    assert len(set(draws)) == len(draws)
+    for name in ("web", "code", "math"):
+        windows = TrainWindows(str(dirs[name]), 32, 0).windows
+        seen = [source.window(i)[1] for i, (s, d) in enumerate(picks) if s.name == name and d < windows]
+        assert len(seen) == len(set(seen)), name
+    # The tokens are that source's window, read straight from its shard file.
+    for i in (7, 500, 999):
+        name, w = source.window(i)
+        tokens = np.fromfile(dirs[name] / "train_00000.bin", dtype="<u2").astype(np.int64)
+        assert source(i).tolist() == tokens[w * 32 : w * 32 + 33].tolist()
+
+
+@pytest.mark.parametrize("mesh", [(1, 1), (4, 1), (2, 2)], ids=["1_process", "dp4", "dp2_tp2"])
+def test_the_same_samples_at_any_mesh_and_after_a_resume(dirs, mesh):
+    """Each rank (a fresh sampler, as in its own process) reads its share of global batches
+    55..64 (the stage switch inside); together they read exactly the 1-process batches; a
+    sampler made at step 60 (a resume) reads the same."""
+    dp, tp = mesh
+    recipe = load_recipe(PARITY, mixture(dirs, "training.steps=64", f"parallelism.dp={dp}", f"parallelism.tp={tp}"))
+    whole = make_source(recipe)
+    want = {i: whole(i) for i in range(54 * 8, 64 * 8)}
+    got: dict[int, torch.Tensor] = {}
+    for rank in range(dp * tp):
+        source = make_source(recipe)  # each rank's own
+        for step in range(54, 64):
+            inputs, targets = local_batch(recipe, source, step, rank // tp, dp)
+            assert inputs.shape[0] == 8 // dp
+            for i, row in zip(sample_indices(recipe, step, rank // tp, dp), targets):
+                assert got.setdefault(i, row).equal(row)  # tp peers read the same rows
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[i], want[i][1:]) for i in want)
+    resumed = make_source(recipe)
+    assert all(torch.equal(resumed(i), want[i]) for i in sorted(want, reverse=True))  # backwards, from a fresh one
+
+
+# ---------------------------------------------------------------- bad input, item 6
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory):
+    """A directory of text under a trained BPE tokenizer (vocabulary 300), not the byte one."""
+    from dtensor3d.__main__ import main
+
+    root = tmp_path_factory.mktemp("bpe")
+    (root / "text").mkdir()
+    for d in range(6):
+        (root / "text" / f"{d}.txt").write_text(f"document {d} " * 200)
+    args = ["prepare-data", str(root / "text"), "--out", str(root / "bpe"), "--train-tokenizer", "300"]
+    assert main([*args, "--no-progress"]) == 0
+    return root / "bpe"
+
+
+def refused_line(*overrides: str) -> str:
+    return one_error_line(cli("validate", PARITY, "model.vocab_size=320", *overrides))
+
+
+def sources(*entries: str) -> str:
+    return "data.sources=[" + ", ".join(entries) + "]"
+
+
+def test_bad_mixtures_are_one_error_line_naming_the_key(dirs, other_tokenizer, tmp_path):
+    web, code = f"{{path: {dirs['web']}}}", f"{{path: {dirs['code']}}}"
+    cases = [
+        ([sources(web, f"{{path: {tmp_path / 'nowhere'}}}")], ["data.sources[1].path", "nowhere", "no such directory"]),
+        (
+            [sources(web, f"{{path: {other_tokenizer}}}")],
+            ["data.sources[1].path", "bpe", "tokenizer", "data.sources[0]"],
+        ),
+        ([sources(f"{{path: {dirs['web']}, weight: 0}}", code)], ["data.sources[0].weight=0", "positive number"]),
+        ([sources(web, f"{{path: {dirs['code']}, weight: -1.5}}")], ["data.sources[1].weight=-1.5"]),
+        ([sources(f"{{path: {dirs['web']}, weight: heavy}}", code)], ["data.sources[0].weight='heavy'"]),
+        (
+            [sources(f"{{path: {dirs['web']}, name: a}}", f"{{path: {dirs['code']}, name: a}}")],
+            ["data.sources[1].name='a'", "data.sources[0]"],
+        ),
+        ([sources(web, f"{{path: {dirs['code']}, wieght: 2}}")], ["data.sources[1].wieght: unknown key", "weight"]),
+        (
+            [sources(web), f"data.stages=[{{start_step: 5, sources: [{code}]}}, {{start_step: 3, sources: [{web}]}}]"],
+            ["data.stages[1].start_step=3", "data.stages[0].start_step=5"],
+        ),
+        ([sources(web), f"data.stages=[{{start_step: 0, sources: [{code}]}}]"], ["data.stages[0].start_step=0"]),
+        (
+            [
+                sources(f"{{path: {dirs['web']}, name: x}}"),
+                f"data.stages=[{{start_step: 3, sources: [{{path: {dirs['code']}, name: x}}]}}]",
+            ],
+            ["data.stages[0].sources[0]", "name 'x'", "one directory"],
+        ),
+        ([sources(web), f"data.path={dirs['code']}"], ["data.path", "data.sources", "give one"]),
+        ([sources(f"{{path: {dirs['web']}, name: val}}")], ["data.sources[0].name='val'", "loss/<name>"]),
+    ]
+    for overrides, needles in cases:
+        line = refused_line("data.kind=tokens", "training.eval_every=0", *overrides)
+        assert all(n in line for n in needles), (needles, line)
+    # data.kind synthetic with sources: named.
+    line = refused_line(sources(web), "training.eval_every=0")
+    assert "data.kind" in line and "tokens" in line
+
+
+def test_a_bad_mixture_stops_train_before_any_process_starts(dirs, tmp_path):
+    run_dir = tmp_path / "run"
+    weights = sources(f"{{path: {dirs['web']}}}", f"{{path: {tmp_path / 'gone'}}}")
+    proc = cli_process(
+        "train", PARITY, "data.kind=tokens", weights, "model.vocab_size=264", f"logging.run_dir={run_dir}"
+    )
+    line = one_error_line(proc)
+    assert "data.sources[1].path" in line and "gone" in line
+    assert not run_dir.exists()
+
+
+def test_data_path_then_stages(dirs):
+    """data.path is the first mixture (one source, named after its directory) until the first stage."""
+    stage = f"data.stages=[{{start_step: 3, sources: [{{path: {dirs['web']}}}, {{path: {dirs['math']}, weight: 3}}]}}]"
+    recipe = load_recipe(PARITY, ["data.kind=tokens", f"data.path={dirs['web']}", stage, "model.vocab_size=264"])
+    source = make_source(recipe)
+    names = [source.window(i)[0] for i in range(40)]
+    assert names[:16] == ["web"] * 16 and Counter(names[16:]) == {"web": 6, "math": 18}
+    # web continues its own order: the stage's web draws are not the ones steps 1-2 read.
+    draws = [source.pick(i) for i in range(40)]
+    web = [d for s, d in draws if s.name == "web"]
+    assert len(web) == len(set(web)) and min(d for s, d in draws[16:] if s.name == "web") >= 16
+
+
+def test_a_mixture_without_validation_windows_is_refused_when_evaluating(dirs, tmp_path):
+    from dtensor3d.__main__ import main
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "one.txt").write_text("a b c " * 300)
+    args = ["prepare-data", str(tmp_path / "text"), "--out", str(tmp_path / "noval"), "--tokenizer", "byte"]
+    assert main([*args, "--val-fraction", "0", "--no-progress"]) == 0
+    both = sources(f"{{path: {tmp_path / 'noval'}}}")
+    line = one_error_line(cli("validate", PARITY, "data.kind=tokens", both, "model.vocab_size=264"))
+    assert "data.validation=split" in line and "training.eval_every: 0" in line
+    assert (
+        cli("validate", PARITY, "data.kind=tokens", both, "model.vocab_size=264", "training.eval_every=0").returncode
+        == 0
+    )
