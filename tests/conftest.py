@@ -1,6 +1,10 @@
-"""The tests' fixtures (runs shared within a session) and the two tiers' table; the helpers
-themselves are in tests/helpers.py (real launch.sh jobs: tests/jobs.py)."""
+"""The tests' fixtures (runs shared within a session), the two tiers' table and the
+combination matrix's rotating subset; the helpers themselves are in tests/helpers.py (real
+launch.sh jobs: tests/jobs.py)."""
 
+import datetime
+import os
+import random
 from pathlib import Path
 
 import pytest
@@ -82,6 +86,8 @@ QUICK_FILES = {
     "test_nanotron.py",
     "test_families.py",
     "test_family_recipes.py",
+    "test_init.py",
+    "test_matrix.py",
     "test_async_tp.py",
     "test_documents.py",
 }
@@ -103,6 +109,8 @@ SLOW_IN_QUICK_FILES = {
     "test_init_from_hf_gathers_nothing",
     "test_trains_like_the_native_recipe_at_world_1",
     "test_trains_like_the_native_recipe_on_tp2",
+    "test_init_bitwise_across_meshes",
+    "test_matrix_parity",
     "test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages",
     "test_async_tp_matches_the_key_off_and_overlaps",
     "test_document_masking_parity_across_meshes",
@@ -115,6 +123,37 @@ def pytest_collection_modifyitems(config, items):
         quick = item.path.name in QUICK_FILES and item.originalname not in SLOW_IN_QUICK_FILES
         if not quick and item.nodeid not in SMOKE:
             item.add_marker(pytest.mark.slow)
+    keep_matrix_subset(config, items)
+
+
+# ---------------------------------------------------------------- the matrix's rotating subset
+# The combination matrix (tests/parallel/test_matrix.py) has more parity runs than the full
+# tier's budget holds: the full tier runs MATRIX_RUNS of them, chosen by a seed that changes
+# every day (MATRIX_SEED sets it; the header prints it, so a failure reruns with the same
+# runs); `pytest -m matrix` (any -m naming matrix) runs every one.
+MATRIX_RUNS = int(os.environ.get("MATRIX_RUNS", "8"))
+
+
+def matrix_seed() -> int:
+    return int(os.environ.get("MATRIX_SEED", datetime.date.today().toordinal()))
+
+
+def pytest_report_header(config):
+    return f"matrix: seed {matrix_seed()} (MATRIX_SEED), {MATRIX_RUNS} parity runs unless -m matrix (MATRIX_RUNS)"
+
+
+def keep_matrix_subset(config, items):
+    if "matrix" in (config.option.markexpr or ""):
+        return
+    runs = [i for i in items if i.get_closest_marker("matrix")]
+    if not runs:
+        return
+    ids = sorted(i.nodeid for i in runs)
+    chosen = set(random.Random(matrix_seed()).sample(ids, min(MATRIX_RUNS, len(ids))))
+    dropped = [i for i in runs if i.nodeid not in chosen]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_stages(m, p)
     _validate_batch(recipe)
     _validate_schedule(recipe)
+    _validate_recompute(recipe)
     _validate_optimizer(o)
     _validate_decay(o, recipe.training.steps)
     _validate_rest(recipe)
@@ -234,6 +235,30 @@ def _validate_batch(recipe: Recipe) -> None:
         raise RecipeError(
             f"training.sequence_length={t.sequence_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}"
+        )
+
+
+def _validate_recompute(recipe: Recipe) -> None:
+    """torch.compile under the V schedules (see below), and selective recomputation of a
+    layer with experts under torch.compile: the layer is checkpointed around its compiled
+    attention (routing is not compiled), and the matmul outputs selective checkpointing
+    saves are buffers inductor's code writes again, which torch detects in the backward
+    ('Tensor cached during selective activation checkpoint has been mutated', every rank;
+    found by tests/parallel/test_matrix.py)."""
+    p, t = recipe.parallelism, recipe.training
+    if t.compile and p.pp_enabled and p.pp_engine in V_SCHEDULES:
+        # Their split backward keeps the graph for the weight gradients; a compiled backward
+        # refuses that ('compiled with non-empty donated buffers'; found by the matrix).
+        raise RecipeError(
+            f"training.compile=true does not work with pp_engine {p.pp_engine} (its split backward "
+            "reuses the graph a compiled backward frees); valid: compile: false, or pp_engine 1f1b, "
+            "afab or interleaved_1f1b"
+        )
+    if p.recompute == "selective" and t.compile and recipe.model.num_local_experts:
+        raise RecipeError(
+            "parallelism.recompute=selective with training.compile=true does not work for a model with "
+            "experts (the compiled attention overwrites the outputs it saves); valid: recompute none or "
+            "full, or training.compile: false"
         )
 
 

@@ -91,8 +91,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
         """`docs`: position_ids and document_ids of packed documents (Attention.forward)."""
         if self.recompute != "none" and torch.is_grad_enabled() and cache is None:
-            context_fn = recompute_context(self.recompute)
-            out = checkpoint(self._forward, x, None, use_reentrant=False, context_fn=context_fn, **docs)
+            # full: torch's default context, not passed (torch.compile refuses a context_fn
+            # it cannot trace, torch's own noop_context_fn included)
+            extra = {"context_fn": recompute_context(self.recompute)} if self.recompute == "selective" else {}
+            out = checkpoint(self._forward, x, None, use_reentrant=False, **extra, **docs)
         else:
             out = self._forward(x, cache, **docs)
         if hasattr(self, "block_sparse_moe"):

@@ -144,7 +144,8 @@ def moe_grad_numel(recipe, part: Part) -> int:
 def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
     """Per step. FSDP2: every unit all-gathers its shard for each forward and (resharded
     after forward) each backward -- twice per microbatch; under pp parameters stay gathered
-    for the whole step: once -- and reduce-scatters its whole gradient once; under
+    for the whole step: once -- in the compute dtype (bf16 training gathers bf16 parameters:
+    FSDP2's MixedPrecisionPolicy), and reduce-scatters its whole fp32 gradient once; under
     dp_mode hybrid within ep x dp_shard x cp, then all-reduces the shard across the
     dp_replicate replicas. Replicate: one all-reduce of the gradients (dense over
     ep x dp x cp, experts over dp x cp)."""
@@ -155,7 +156,7 @@ def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
         sharded = [name for name, u in units.items() if u["group"] > 1]
         replicas = p.dp_replicate if p.hsdp_enabled else 1  # HSDP all-reduces the shards across replicas
         return _kinds(
-            all_gather=gathers * FP32 * sum(numels[name][0] for name in sharded),
+            all_gather=gathers * sizes(recipe).compute * sum(numels[name][0] for name in sharded),
             reduce_scatter=FP32 * sum(grads[name][1] for name in sharded),
             all_reduce=FP32 * sum(grads[name][0] for name in sharded) * (replicas > 1),
         )

@@ -10,7 +10,10 @@ from safetensors.torch import load_file
 from dtensor3d.checkpoint import load_model
 
 MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
-MIXTRAL = dict(TINY_HF_LLAMA, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01)
+# rope_theta not the default 10000 (a mapping that lost it would fall back to that).
+MIXTRAL = dict(
+    TINY_HF_LLAMA, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01, rope_theta=250000.0
+)
 
 
 def tokens(seed=0):

@@ -86,6 +86,8 @@ FAMILIES = {
         ),
         "mlp.shared_experts.gate_proj.weight",
     ),
+    # The head tied to the embedding (Qwen2's small models ship so): one tensor in the file.
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True), "q_proj.bias"),
     # layer 0 sparse, layer 1 dense (mlp_only_layers); softmax top-2 of 4 without renormalising
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -176,9 +178,17 @@ def test_export_loads_in_transformers_in_the_family(family):
     )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(back) is type(hf)
+    tied = hf.config.tie_word_embeddings
+    assert config.get("tie_word_embeddings", False) == tied
+    shared = back.get_output_embeddings().weight.data_ptr() == back.get_input_embeddings().weight.data_ptr()
+    assert shared == tied
     ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(2))
+    # ...and import-hf of what transformers saved back: the round trip closes.
+    back.save_pretrained(root / "resaved")
+    assert main(["import-hf", str(root / "resaved"), str(root / "ck2")]) == 0
     with torch.no_grad():
         assert relative(back.eval()(ids).logits, hf(ids).logits) <= 1e-5
+        assert relative(load_model(root / "ck2")(ids), hf(ids).logits) <= 1e-5
 
 
 def test_greedy_generate_equals_transformers(family):

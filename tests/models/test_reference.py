@@ -48,9 +48,11 @@ BF16_TOL = {"loss": 2e-4, "grad_norm": 3e-3}
 # layers instead of the recipe's four to halve the cost. weight_decay 0.5 (the default is
 # 0.1) in one config makes the decay grouping visible above 1e-5.
 SMALL = ["model.num_hidden_layers=2"]
+# rope_theta is never the default 10000 (the value a lost mapping would fall back to); one
+# Llama and the Mixtral tie the head to the embedding.
 CONFIGS = {
-    "llama_cosine_warmup2": (PARITY, [*SMALL, "training.micro_batch_size=4"]),
-    "llama_linear_no_warmup": (
+    "llama_cosine_warmup2": (PARITY, [*SMALL, "training.micro_batch_size=4", "model.rope_theta=500000"]),
+    "llama_linear_no_warmup_tied": (
         PARITY,
         [
             *SMALL,
@@ -58,15 +60,29 @@ CONFIGS = {
             "optimizer.warmup_steps=0",
             "optimizer.weight_decay=0.5",
             "training.micro_batch_size=2",
+            "model.rope_theta=40000",
+            "model.tie_word_embeddings=true",
         ],
     ),
     "llama_constant_warmup3": (
         PARITY,
-        [*SMALL, "optimizer.decay=constant", "optimizer.warmup_steps=3", "training.micro_batch_size=8"],
+        [
+            *SMALL,
+            "optimizer.decay=constant",
+            "optimizer.warmup_steps=3",
+            "training.micro_batch_size=8",
+            "model.rope_theta=2500",
+        ],
     ),
     # llama_cosine_warmup2 in bf16 (its twin: test_bf16_is_bf16).
-    "llama_bf16": (PARITY, [*SMALL, "training.micro_batch_size=4", "training.dtype=bfloat16"]),
-    "mixtral_cosine_aux": (MOE, [*SMALL, "training.micro_batch_size=4"]),
+    "llama_bf16": (
+        PARITY,
+        [*SMALL, "training.micro_batch_size=4", "model.rope_theta=500000", "training.dtype=bfloat16"],
+    ),
+    "mixtral_cosine_aux_tied": (
+        MOE,
+        [*SMALL, "training.micro_batch_size=4", "model.rope_theta=1000000", "model.tie_word_embeddings=true"],
+    ),
     # Qwen3 (transformers' Qwen3ForCausalLM): per-head q/k norms, head_dim 24 (not 64 / 8),
     # q/k/v/o biases (trained from zero), rope_theta 1e6.
     "qwen3_biases_theta1e6": (
@@ -78,6 +94,7 @@ CONFIGS = {
         ],
     ),
 }
+assert all(load_recipe(r, o).model.rope_theta != 10000 for r, o in CONFIGS.values())
 
 
 # ---------------------------------------------------------------- the formulas, written here
@@ -140,7 +157,7 @@ def hf_model(recipe, where):
         max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.rms_norm_eps,
         rope_theta=m.rope_theta,
-        tie_word_embeddings=False,
+        tie_word_embeddings=m.tie_word_embeddings,
     )
     if m.num_local_experts:
         moe = dict(num_local_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok)
@@ -154,9 +171,16 @@ def hf_model(recipe, where):
     else:
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     config.save_pretrained(where)
-    save_file(hf_tensors({k: v.detach() for k, v in ours.state_dict().items()}), where / "model.safetensors")
+    # A tied model's file holds the embedding once (as Hugging Face saves one).
+    state = {
+        k: v.detach() for k, v in ours.state_dict().items() if not (m.tie_word_embeddings and k == "lm_head.weight")
+    }
+    save_file(hf_tensors(state), where / "model.safetensors")
     model, info = cls.from_pretrained(where, output_loading_info=True, dtype=torch.float32, attn_implementation="eager")
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert config.rope_parameters["rope_theta"] == m.rope_theta != 10000
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert (head.data_ptr() == embedding.data_ptr()) == m.tie_word_embeddings
     return model.train()
 
 

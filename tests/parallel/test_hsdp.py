@@ -1,5 +1,6 @@
 """dp_mode hybrid (HSDP): the recipe checks at the door, the groups `plan` shows, and the
-real process groups equal to them. (Loss parity: tests/parallel/test_parity.py's dp4_hybrid*.)"""
+real process groups equal to them. (Loss parity: the combination matrix's hybrid runs,
+tests/parallel/test_matrix.py.)"""
 
 import json
 

@@ -20,7 +20,6 @@ from helpers import (
     ROOT,
     SAVES_AT_3_AND_6,
     SAVES_AT_5_AND_10,
-    TIED_DP2_TP2,
     TIED_TP2_PP2,
     assert_parity,
     check_comm,
@@ -33,15 +32,15 @@ from helpers import (
 
 from dtensor3d.config.load import load_recipe
 
+# The combinations of options (dp_mode, dp, cp, tp and tp_mode, pp and its schedules,
+# recompute, compile, dtype, tied embeddings, families, RoPE scaling, experts) are the
+# combination matrix's (tests/parallel/test_matrix.py: every pair of option values in some
+# run). Here: the quick tier's smoke run, the runs other tests share (checkpoints) and what
+# the matrix's table leaves out (tp 4, cp 4, pp 4, uneven stages, 16 ranks).
 CONFIGS = {
     "dp2": ["parallelism.dp=2"],
-    "dp2_replicate": ["parallelism.dp=2", "parallelism.dp_mode=replicate"],
-    # tp alone: ALL_REDUCE at tp 4 (one kv head per rank), sequence parallel at tp 2. (tp 2
-    # ALL_REDUCE alone is left out: tp4 and the dp2_tp2 configurations below cover it.)
-    "tp2_reduce_scatter": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    # tp 4 ALL_REDUCE: one kv head per rank.
     "tp4": ["parallelism.tp=4", "parallelism.tp_mode=ALL_REDUCE"],
-    "pp2_1f1b": ["parallelism.pp=2", "parallelism.pp_engine=1f1b"],
-    "pp2_afab": ["parallelism.pp=2", "parallelism.pp_engine=afab"],
     # pp 4 with tied embeddings: the embedding group is a 2-rank group of stages 0 and 3
     "pp4_1f1b_8mb_tied_embeddings": [
         "parallelism.pp=4",
@@ -50,53 +49,24 @@ CONFIGS = {
     ],
     # tp 2 x pp 2 with tied embeddings: a copy on each stage, their gradients summed every step.
     "tp2_pp2_tied_embeddings": [*TIED_TP2_PP2, "parallelism.tp_mode=REDUCE_SCATTER"],
-    "dp2_pp2": ["parallelism.dp=2", "parallelism.pp=2"],
     "dp2_tp2_pp2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2"],
-    # dp 2 x tp 2 runs with recompute and with tied embeddings (no plain dp2_tp2 run: suite time).
-    "dp2_tp2_recompute": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.recompute_layer=true"],
-    "dp2_tp2_tied_embeddings": TIED_DP2_TP2,
+    # Context parallelism at 4, by nanotron's key (context_parallel_size, cp's alias).
+    "cp4": ["parallelism.context_parallel_size=4"],
     # tp_linear_async_communication under sequence parallelism at dp 2 x tp 2 (ALL_REDUCE:
     # the 3d recipe's run below; tp 2 alone, both modes: test_async_tp).
     "dp2_tp2_sp_async": [
         *("parallelism.dp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
         "parallelism.tp_linear_async_communication=true",
     ],
-    # Context parallelism (nanotron's key and the short alias).
-    "cp2": ["parallelism.context_parallel_size=2"],
-    "cp4": ["parallelism.cp=4"],
-    # cp x tp: ALL_REDUCE in dp2_cp2_tp2, REDUCE_SCATTER in pp2_dp2_cp2_tp2 (no 4-rank cp2_tp2 runs: suite time).
-    "cp2_dp2": ["parallelism.cp=2", "parallelism.dp=2"],
-    "cp2_dp2_replicate": ["parallelism.cp=2", "parallelism.dp=2", "parallelism.dp_mode=replicate"],
-    "cp2_pp2": ["parallelism.cp=2", "parallelism.pp=2"],
-    "cp2_recompute": ["parallelism.cp=2", "parallelism.recompute_layer=true"],
-    "dp2_cp2_tp2": ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2"],
-    # HSDP (dp_mode hybrid): FSDP within pairs of dp ranks, replicated across the pairs.
-    "dp4_hybrid": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2"],
-    "dp4_hybrid_tp2": ["parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2", "parallelism.tp=2"],
-    "dp4_hybrid_pp2": [
-        *("parallelism.dp=4", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=2", "parallelism.pp=2"),
-        "training.micro_batch_size=1",  # two microbatches per dp rank for pp 2
-    ],
     # Uneven stages (README: pp_layers, e.g. [3, 1]): layers 0-2 on stage 0, layer 3 on stage 1.
     "pp2_uneven_layers": ["parallelism.pp=2", "parallelism.pp_layers=[3, 1]"],
+    # Four dimensions at once (16 ranks, beyond the matrix's 8).
     "pp2_dp2_cp2_tp2": [
         "parallelism.pp=2",
         "parallelism.dp=2",
         "parallelism.cp=2",
         "parallelism.tp=2",
         "parallelism.tp_mode=REDUCE_SCATTER",
-    ],
-    # Model families (config/families.py): Qwen3's per-head q/k norms and head_dim 24 (not
-    # 64 / 8) at tp 2 (sequence parallel) x cp 2; Llama 3.1's RoPE scaling (past the
-    # original 8 positions) at cp 2 x pp 2, the zig-zag chunks' global positions scaled.
-    "qwen3_tp2_cp2_reduce_scatter": [
-        *("model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000"),
-        *("parallelism.tp=2", "parallelism.cp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
-    ],
-    "llama3_rope_cp2_pp2": [
-        "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
-        "original_max_position_embeddings: 8}",
-        *("model.rope_theta=500000", "parallelism.cp=2", "parallelism.pp=2"),
     ],
     # Qwen2's q/k/v biases (column-parallel, split with their rows) at dp 2 x tp 2; its
     # checkpoints resume on another mesh in test_checkpoint.

@@ -1,39 +1,19 @@
 """Pipeline schedules with several stages per rank (issue 13 item 3): interleaved_1f1b, zbv
-and dualpipev from torch.distributed.pipelining, each against the 1-process run step by
-step (<= 1e-5) alone and with dp 2 x tp 2; their door checks; and a checkpoint saved under
-1f1b resumed under zbv (names are global whatever the schedule)."""
+and dualpipev from torch.distributed.pipelining: their stage placement, their door checks,
+and a checkpoint saved under 1f1b resumed under zbv (names are global whatever the
+schedule). Their loss parity: tests/parallel/test_matrix.py."""
 
 import json
 
 import pytest
-from helpers import PARITY, TOL, assert_parity, check_comm, check_layout, scheduled_lrs, short, train_metrics
+from helpers import PARITY, TOL, train_metrics
 
 from dtensor3d.config.load import load_recipe
 from dtensor3d.errors import RecipeError
 from dtensor3d.parallel.pipeline import local_stages
 
-ENGINES = ("interleaved_1f1b", "zbv", "dualpipev")
-MESHES = {"pp2": ["parallelism.pp=2"], "pp2_dp2_tp2": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2"]}
-
-
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("engine", ENGINES)
-def test_schedule_parity(engine, mesh, reference, shared_run, record_property):
-    # 6 steps; microbatches of 1 (dualpipev at pp 2 needs 4 microbatches per dp rank)
-    overrides = short([*MESHES[mesh], f"parallelism.pp_engine={engine}"], keep=("training.micro_batch_size",))
-    if (engine, mesh) in (("zbv", "pp2_dp2_tp2"), ("interleaved_1f1b", "pp2")):
-        # tied embeddings: under zbv rank 0 holds the first stage and the last, a copy of the
-        # matrix in each (FSDP- and tp-sharded), their gradients summed there with no
-        # collective; interleaved puts them on ranks 0 and 1 (summed over the pp group)
-        overrides.append("model.tie_word_embeddings=true")
-    world = 2 if mesh == "pp2" else 8
-    got, root = shared_run(world, [*overrides, "logging.layout=true"])
-    # Each rank holds the parameters of its stages (schedule_model.rank_stages) and hands each
-    # collective the bytes plan's estimate gives that pp rank.
-    check_layout(root / "run", load_recipe(PARITY, overrides))
-    check_comm(root / "run", load_recipe(PARITY, overrides))
-    for key, rel in assert_parity(got, reference(overrides), scheduled_lrs(PARITY, overrides)).items():
-        record_property(f"max_rel_{key}", rel)
+# Each schedule's loss parity, alone and with dp, tp, cp, ep, recompute and the other options,
+# is the combination matrix's (tests/parallel/test_matrix.py).
 
 
 def test_stage_placement():

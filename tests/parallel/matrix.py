@@ -1,0 +1,264 @@
+"""The combination matrix: every parallelism and training option in one table, the rules that
+say which combinations a run can take, and a seeded greedy generator of a pairwise covering
+array: runs in which every pair of option values that can run together appears in at least
+one run. Written from the README's options and the door's documented refusals, independent
+of the code under test (tests/parallel/test_matrix.py checks each generated run passes the
+door, then trains it against one process).
+
+Adding an option is one row in OPTIONS (its values and the overrides each means; `model`:
+whether it changes the 1-process reference) and, if some combinations cannot run, one Rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+LLAMA3_ROPE = (
+    "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+    "original_max_position_embeddings: 8}"
+)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its values, the overrides each value means, and whether it changes the
+    model or the arithmetic (a reference per value) or only how the ranks run it."""
+
+    name: str
+    values: dict[str, tuple[str, ...]]
+    model: bool = False
+
+
+def _pp(engine: str) -> tuple[str, ...]:
+    virtual = ("parallelism.pp_virtual_stages=2",) if engine == "interleaved_1f1b" else ()
+    return ("parallelism.pp=2", f"parallelism.pp_engine={engine}", *virtual)
+
+
+OPTIONS = (
+    # model: the dense recipe as Llama, Qwen3 (per-head q/k norms, head_dim 24 not 64/8, rope_theta
+    # 1e6) or the mixture-of-experts recipe (tests/recipes/moe_parity.yaml: 8 experts, top-2).
+    Option(
+        "model",
+        {
+            "llama": (),
+            "qwen3": ("model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000"),
+            "moe": (),
+        },
+        model=True,
+    ),
+    Option("rope", {"plain": (), "llama3_scaled": (LLAMA3_ROPE,)}, model=True),  # past the original 8 positions
+    Option("tied", {"untied": (), "tied": ("model.tie_word_embeddings=true",)}, model=True),
+    Option("shared_expert", {"none": (), "32": ("model.shared_expert_intermediate_size=32",)}, model=True),
+    Option("moe_layers", {"all": (), "1_3": ("model.moe_layers=[1, 3]",)}, model=True),
+    Option("dtype", {"float32": (), "bfloat16": ("training.dtype=bfloat16",)}, model=True),
+    Option("dp", {"1": (), "2": ("parallelism.dp=2",), "4": ("parallelism.dp=4",)}),
+    Option(
+        "dp_mode",
+        {
+            "shard": (),
+            "replicate": ("parallelism.dp_mode=replicate",),
+            "hybrid": ("parallelism.dp_mode=hybrid", "parallelism.dp_shard=2"),
+        },
+    ),
+    Option("cp", {"1": (), "2": ("parallelism.cp=2",)}),
+    Option("ep", {"1": (), "2": ("parallelism.ep=2",)}),
+    Option(
+        "tp",
+        {
+            "1": (),
+            "2_all_reduce": ("parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE"),
+            "2_reduce_scatter": ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
+        },
+    ),
+    Option("pp", {"1": (), **{e: _pp(e) for e in ("1f1b", "afab", "interleaved_1f1b", "zbv", "dualpipev")}}),
+    Option(
+        "recompute",
+        {"none": (), "full": ("parallelism.recompute=full",), "selective": ("parallelism.recompute=selective",)},
+    ),
+    Option("compile", {"eager": (), "compiled": ("training.compile=true",)}),
+)
+BY_NAME = {o.name: o for o in OPTIONS}
+MAX_WORLD = 8
+GLOBAL_BATCH = 8  # the parity recipes' global_batch_size
+
+
+def ranks(run: dict[str, str]) -> dict[str, int]:
+    """The mesh sizes a run asks for."""
+    pp = 1 if run["pp"] == "1" else 2
+    return {"dp": int(run["dp"]), "cp": int(run["cp"]), "ep": int(run["ep"]), "tp": int(run["tp"][0]), "pp": pp}
+
+
+def world(run: dict[str, str]) -> int:
+    return int(np.prod(list(ranks(run).values())))
+
+
+def micro_batch(run: dict[str, str]) -> int:
+    """Microbatches of 2 (the parity runs' short form); 1 under pp (a schedule needs several)."""
+    return 2 if run["pp"] == "1" else 1
+
+
+def microbatches(run: dict[str, str]) -> float:
+    """Microbatches per step on each of the ep x dp batch ranks."""
+    r = ranks(run)
+    return GLOBAL_BATCH / (micro_batch(run) * r["dp"] * r["ep"])
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination the matrix does not run; `reads`: the options it looks at (it is checked
+    once they all have values); `door`: the trainer refuses it at the door (README), else
+    it is the table's own choice (the machine's 8 ranks, a meaningful dp_mode)."""
+
+    why: str
+    reads: tuple[str, ...]
+    ok: Callable[[dict[str, str]], bool]
+    door: bool = True
+
+
+MOE_ONLY = "{} applies only to a model with experts"
+RULES = (
+    Rule(f"at most {MAX_WORLD} ranks", ("dp", "cp", "ep", "tp", "pp"), lambda r: world(r) <= MAX_WORLD, door=False),
+    Rule(MOE_ONLY.format("ep"), ("ep", "model"), lambda r: r["ep"] == "1" or r["model"] == "moe"),
+    Rule(
+        MOE_ONLY.format("a shared expert"),
+        ("shared_expert", "model"),
+        lambda r: r["shared_expert"] == "none" or r["model"] == "moe",
+    ),
+    Rule(
+        MOE_ONLY.format("moe_layers"),
+        ("moe_layers", "model"),
+        lambda r: r["moe_layers"] == "all" or r["model"] == "moe",
+    ),
+    Rule(
+        "dp_mode replicate / hybrid needs dp ranks",
+        ("dp_mode", "dp"),
+        lambda r: r["dp_mode"] == "shard" or r["dp"] != "1",
+        door=False,
+    ),
+    Rule(
+        "hybrid: dp 4 in FSDP groups of 2",
+        ("dp_mode", "dp"),
+        lambda r: r["dp_mode"] != "hybrid" or r["dp"] == "4",
+        door=False,
+    ),
+    Rule(
+        "the V schedules (zbv, dualpipev) recompute whole layers or none",
+        ("pp", "recompute"),
+        lambda r: r["pp"] not in ("zbv", "dualpipev") or r["recompute"] != "selective",
+    ),
+    Rule(
+        "experts: no selective recompute under compile (its saved matmul outputs get overwritten)",
+        ("model", "recompute", "compile"),
+        lambda r: not (r["model"] == "moe" and r["recompute"] == "selective" and r["compile"] == "compiled"),
+    ),
+    Rule(
+        "the V schedules' split backward cannot run compiled",
+        ("pp", "compile"),
+        lambda r: r["pp"] not in ("zbv", "dualpipev") or r["compile"] == "eager",
+    ),
+    Rule(
+        "a whole number of microbatches per batch rank",
+        ("dp", "ep", "pp"),
+        lambda r: microbatches(r) == int(microbatches(r)) >= 1,
+    ),
+    Rule(
+        "a schedule needs microbatches: pp of them, 2 x pp for dualpipev",
+        ("dp", "ep", "pp"),
+        lambda r: r["pp"] == "1" or microbatches(r) >= (4 if r["pp"] == "dualpipev" else 2),
+    ),
+)
+
+
+def allowed(run: dict[str, str]) -> bool:
+    return all(rule.ok(run) for rule in RULES if all(k in run for k in rule.reads))
+
+
+def feasible() -> np.ndarray:
+    """Every combination the rules allow, as value indices (rows) in OPTIONS' order; a rule is
+    checked as soon as the options it reads have values."""
+    rows: list[tuple[int, ...]] = []
+
+    def grow(prefix: dict[str, str], idx: tuple[int, ...]) -> None:
+        if len(idx) == len(OPTIONS):
+            rows.append(idx)
+            return
+        option = OPTIONS[len(idx)]
+        for i, value in enumerate(option.values):
+            run = {**prefix, option.name: value}
+            if allowed(run):
+                grow(run, (*idx, i))
+
+    grow({}, ())
+    return np.array(rows, dtype=np.int8)
+
+
+def as_run(row) -> dict[str, str]:
+    return {o.name: list(o.values)[int(i)] for o, i in zip(OPTIONS, row)}
+
+
+def pairs_of(rows: np.ndarray) -> set[tuple[int, int, int, int]]:
+    """(option a, value, option b, value) for every pair of options (a < b) in the rows."""
+    out = set()
+    for a, b in itertools.combinations(range(len(OPTIONS)), 2):
+        out |= {(a, int(x), b, int(y)) for x, y in set(zip(rows[:, a].tolist(), rows[:, b].tolist()))}
+    return out
+
+
+def cost(row) -> float:
+    """What a run costs here: its ranks, three times over when compiled (fresh ranks, inductor)."""
+    run = as_run(row)
+    return world(run) * (3 if run["compile"] == "compiled" else 1)
+
+
+def covering(seed: int = 0) -> list[dict[str, str]]:
+    """A pairwise covering array, greedy and deterministic for a seed: while a pair of values
+    is uncovered, take the first such pair, and among the allowed combinations that contain it
+    the one covering the most uncovered pairs (ties: the cheapest, then the seeded shuffle)."""
+    rows = feasible()
+    order = np.random.default_rng(seed).permutation(len(rows))
+    rows = rows[order]
+    costs = np.array([cost(r) for r in rows])
+    n = len(OPTIONS)
+    sizes = [len(o.values) for o in OPTIONS]
+    uncovered = {(a, b): np.zeros((sizes[a], sizes[b]), bool) for a, b in itertools.combinations(range(n), 2)}
+    for a, x, b, y in pairs_of(rows):
+        uncovered[a, b][x, y] = True
+    chosen = []
+    while any(u.any() for u in uncovered.values()):
+        (a, b), u = next((k, u) for k, u in sorted(uncovered.items()) if u.any())
+        x, y = (int(v[0]) for v in np.nonzero(u))
+        cand = rows[(rows[:, a] == x) & (rows[:, b] == y)]
+        ccost = costs[(rows[:, a] == x) & (rows[:, b] == y)]
+        gain = sum(uncovered[i, j][cand[:, i], cand[:, j]].astype(int) for i, j in uncovered)
+        best = np.lexsort((ccost, -gain))[0]
+        row = cand[best]
+        for i, j in uncovered:
+            uncovered[i, j][row[i], row[j]] = False
+        chosen.append(row)
+    return [as_run(r) for r in chosen]
+
+
+def overrides(run: dict[str, str]) -> list[str]:
+    """The run's overrides: its options' and the short form (6 steps, microbatches of 2 or 1)."""
+    out = ["training.steps=6", f"training.micro_batch_size={micro_batch(run)}"]
+    return out + [o for opt in OPTIONS for o in opt.values[run[opt.name]]]
+
+
+def reference_overrides(run: dict[str, str]) -> list[str]:
+    """The 1-process run it is compared with: the same model options, no parallelism. The
+    microbatch size is the run's for a model with experts (the balance loss is Mixtral's per
+    microbatch, so it depends on how many sequences a microbatch holds); a dense model's loss
+    is a sum over the global batch's tokens whatever the microbatches, so its reference keeps 2."""
+    model = [o for opt in OPTIONS if opt.model for o in opt.values[run[opt.name]]]
+    mb = micro_batch(run) if run["model"] == "moe" else 2
+    return ["training.steps=6", f"training.micro_batch_size={mb}", *model]
+
+
+def name(run: dict[str, str]) -> str:
+    """A run's test id: the options that are not at their first value."""
+    parts = [f"{k}={v}" for k, v in run.items() if v != next(iter(BY_NAME[k].values))]
+    return "-".join(parts) or "defaults"
