@@ -146,6 +146,19 @@ def _train(args) -> None:
 
     with hold(recipe, _env_int("RANK") or 0):  # rank 0 holds checkpoint.dir's lock
         train(recipe)
+    if os.environ.get("DTENSOR3D_AGENT_PID"):
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """A rank whose training finished (every rank passed the final barrier, files closed, the
+    process group destroyed) leaves without running C++ static destructors: one of torch's
+    threads still joinable at interpreter exit aborted a finished rank now and then
+    ("terminate called without an active exception", SIGABRT), and the agent then counted a
+    finished job as failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _export_hf(args) -> None:

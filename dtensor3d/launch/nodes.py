@@ -139,8 +139,11 @@ def meet(store, node_rank: int, nnodes: int, recipe_dict: dict, timeout_s: float
         problem = e
     store.set(f"{KEY}/compared/{node_rank}", "1")
     deadline = time.monotonic() + min(timeout_s, 30.0)
-    while time.monotonic() < deadline and not all(store.check([f"{KEY}/compared/{n}"]) for n in range(nnodes)):
-        time.sleep(0.1)
+    try:
+        while time.monotonic() < deadline and not all(store.check([f"{KEY}/compared/{n}"]) for n in range(nnodes)):
+            time.sleep(0.1)
+    except Exception:  # node 0 left, which it does only once every node has compared: done
+        pass
     if problem is not None:
         raise problem
 
