@@ -41,6 +41,7 @@ from dtensor3d.plan.schedule_model import stage_rank
 ROOT = Path(__file__).resolve().parent.parent
 PARITY = str(ROOT / "tests" / "recipes" / "parity.yaml")
 MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
+DEEPSEEK = str(ROOT / "tests" / "recipes" / "deepseek_parity.yaml")
 # What a launcher sets; a clean environment (a single process, no torchrun) has none of it.
 DIST_ENV = (
     "WORLD_SIZE",

@@ -40,13 +40,24 @@ def _pp(engine: str) -> tuple[str, ...]:
 
 OPTIONS = (
     # model: the dense recipe as Llama, Qwen3 (per-head q/k norms, head_dim 24 not 64/8, rope_theta
-    # 1e6) or the mixture-of-experts recipe (tests/recipes/moe_parity.yaml: 8 experts, top-2).
+    # 1e6); the mixture-of-experts recipe (tests/recipes/moe_parity.yaml: 8 experts, top-2) as
+    # Mixtral or Qwen3-MoE (softmax top-2 not renormalised, experts 64 wide, layer 2 dense, the
+    # correction bias updated); DeepSeek-V3-tiny (tests/recipes/deepseek_parity.yaml: latent
+    # attention, sigmoid router with the correction bias in groups, one shared expert).
     Option(
         "model",
         {
             "llama": (),
             "qwen3": ("model.family=qwen3", "model.head_dim=24", "model.rope_theta=1000000"),
             "moe": (),
+            "qwen3_moe": (
+                "model.family=qwen3_moe",
+                "model.norm_topk_prob=false",
+                "model.moe_intermediate_size=64",
+                "model.mlp_only_layers=[2]",
+                "model.router_bias_update_rate=0.01",
+            ),
+            "deepseek_v3": (),
         },
         model=True,
     ),
@@ -74,6 +85,7 @@ OPTIONS = (
             "2_reduce_scatter": ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
         },
     ),
+    Option("tp_async", {"off": (), "on": ("parallelism.tp_linear_async_communication=true",)}),
     Option("pp", {"1": (), **{e: _pp(e) for e in ("1f1b", "afab", "interleaved_1f1b", "zbv", "dualpipev")}}),
     Option(
         "recompute",
@@ -82,6 +94,7 @@ OPTIONS = (
     Option("compile", {"eager": (), "compiled": ("training.compile=true",)}),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
+EXPERTS = ("moe", "qwen3_moe", "deepseek_v3")  # the model values with experts
 MAX_WORLD = 8
 GLOBAL_BATCH = 8  # the parity recipes' global_batch_size
 
@@ -122,16 +135,32 @@ class Rule:
 MOE_ONLY = "{} applies only to a model with experts"
 RULES = (
     Rule(f"at most {MAX_WORLD} ranks", ("dp", "cp", "ep", "tp", "pp"), lambda r: world(r) <= MAX_WORLD, door=False),
-    Rule(MOE_ONLY.format("ep"), ("ep", "model"), lambda r: r["ep"] == "1" or r["model"] == "moe"),
+    Rule(MOE_ONLY.format("ep"), ("ep", "model"), lambda r: r["ep"] == "1" or r["model"] in EXPERTS),
     Rule(
         MOE_ONLY.format("a shared expert"),
         ("shared_expert", "model"),
-        lambda r: r["shared_expert"] == "none" or r["model"] == "moe",
+        lambda r: r["shared_expert"] == "none" or r["model"] in EXPERTS,
     ),
     Rule(
         MOE_ONLY.format("moe_layers"),
         ("moe_layers", "model"),
-        lambda r: r["moe_layers"] == "all" or r["model"] == "moe",
+        lambda r: r["moe_layers"] == "all" or r["model"] in EXPERTS,
+    ),
+    Rule(
+        "DeepSeek-V3's one shared expert is n_shared_experts, not shared_expert_intermediate_size too",
+        ("shared_expert", "model"),
+        lambda r: r["shared_expert"] == "none" or r["model"] != "deepseek_v3",
+    ),
+    Rule(
+        "the overlapped tp path only runs with tp ranks",
+        ("tp_async", "tp"),
+        lambda r: r["tp_async"] == "off" or r["tp"] != "1",
+        door=False,
+    ),
+    Rule(
+        "the overlapped tp path has no multi-head latent attention",
+        ("model", "tp_async", "tp"),
+        lambda r: not (r["model"] == "deepseek_v3" and r["tp_async"] == "on" and r["tp"] != "1"),
     ),
     Rule(
         "dp_mode replicate / hybrid needs dp ranks",
@@ -153,7 +182,7 @@ RULES = (
     Rule(
         "experts: no selective recompute under compile (its saved matmul outputs get overwritten)",
         ("model", "recompute", "compile"),
-        lambda r: not (r["model"] == "moe" and r["recompute"] == "selective" and r["compile"] == "compiled"),
+        lambda r: not (r["model"] in EXPERTS and r["recompute"] == "selective" and r["compile"] == "compiled"),
     ),
     Rule(
         # Found by the matrix (moe, tied, shared expert, bf16, ep 2 x tp 2 x interleaved pp 2,
@@ -162,7 +191,7 @@ RULES = (
         # Not fixed: not run here until it is (the door does not refuse it).
         "experts: full recompute under compile fails in torch's AOT autograd across ranks (open bug)",
         ("model", "recompute", "compile"),
-        lambda r: not (r["model"] == "moe" and r["recompute"] == "full" and r["compile"] == "compiled"),
+        lambda r: not (r["model"] in EXPERTS and r["recompute"] == "full" and r["compile"] == "compiled"),
         door=False,
     ),
     Rule(
@@ -264,7 +293,7 @@ def reference_overrides(run: dict[str, str]) -> list[str]:
     microbatch, so it depends on how many sequences a microbatch holds); a dense model's loss
     is a sum over the global batch's tokens whatever the microbatches, so its reference keeps 2."""
     model = [o for opt in OPTIONS if opt.model for o in opt.values[run[opt.name]]]
-    mb = micro_batch(run) if run["model"] == "moe" else 2
+    mb = micro_batch(run) if run["model"] in EXPERTS else 2
     return ["training.steps=6", f"training.micro_batch_size={mb}", *model]
 
 

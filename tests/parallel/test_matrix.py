@@ -11,8 +11,9 @@ is printed in the header; MATRIX_SEED / MATRIX_RUNS choose it)."""
 import itertools
 
 import pytest
-from helpers import MOE, PARITY, assert_parity, check_comm, check_layout, scheduled_lrs, train_metrics
+from helpers import DEEPSEEK, MOE, PARITY, assert_parity, check_comm, check_layout, scheduled_lrs, train_metrics
 from matrix import (
+    EXPERTS,
     OPTIONS,
     RULES,
     allowed,
@@ -40,7 +41,7 @@ BF16_TOL = {"loss": 2e-4, "grad_norm": 3e-3, "aux_loss": 3e-3}
 
 
 def recipe_of(run: dict[str, str]) -> str:
-    return MOE if run["model"] == "moe" else PARITY
+    return {"moe": MOE, "qwen3_moe": MOE, "deepseek_v3": DEEPSEEK}.get(run["model"], PARITY)
 
 
 def test_every_pair_is_covered():
@@ -104,11 +105,11 @@ def test_matrix_parity(run, reference, tmp_path, record_property):
     ref = reference(reference_overrides(run), recipe_path)
     got = train_metrics(tmp_path, world(run), [*given, "logging.layout=true"], recipe_path)
     check_layout(tmp_path, recipe)  # every rank holds every parameter as the plans promise
-    keys = ("loss", "grad_norm", "aux_loss") if run["model"] == "moe" else ("loss", "grad_norm")
+    keys = ("loss", "grad_norm", "aux_loss") if run["model"] in EXPERTS else ("loss", "grad_norm")
     worst = assert_parity(got, ref, scheduled_lrs(recipe_path, given), keys=keys, tol=tolerance(run))
     for key, rel in worst.items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
-    if run["model"] == "moe" and run["dtype"] == "float32" and run["compile"] == "eager":
+    if run["model"] in EXPERTS and run["dtype"] == "float32" and run["compile"] == "eager":
         assert [g["tokens_per_expert"] for g in got] == [r["tokens_per_expert"] for r in ref]
     print(f"{name(run)}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     assert got[-1]["loss"] < got[0]["loss"]  # and it learned
