@@ -11,6 +11,7 @@ whether it changes the 1-process reference) and, if some combinations cannot run
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -216,23 +217,30 @@ def allowed(run: dict[str, str]) -> bool:
     return all(rule.ok(run) for rule in RULES if all(k in run for k in rule.reads))
 
 
+@functools.cache
 def feasible() -> np.ndarray:
     """Every combination the rules allow, as value indices (rows) in OPTIONS' order; a rule is
-    checked as soon as the options it reads have values."""
+    checked once, as soon as the last option it reads has its value. Computed once (read-only)."""
+    at = {o.name: i for i, o in enumerate(OPTIONS)}
+    due = [[r for r in RULES if max(at[k] for k in r.reads) == d] for d in range(len(OPTIONS))]
     rows: list[tuple[int, ...]] = []
+    run: dict[str, str] = {}
 
-    def grow(prefix: dict[str, str], idx: tuple[int, ...]) -> None:
+    def grow(idx: tuple[int, ...]) -> None:
         if len(idx) == len(OPTIONS):
             rows.append(idx)
             return
         option = OPTIONS[len(idx)]
         for i, value in enumerate(option.values):
-            run = {**prefix, option.name: value}
-            if allowed(run):
-                grow(run, (*idx, i))
+            run[option.name] = value
+            if all(rule.ok(run) for rule in due[len(idx)]):
+                grow((*idx, i))
+        del run[option.name]
 
-    grow({}, ())
-    return np.array(rows, dtype=np.int8)
+    grow(())
+    out = np.array(rows, dtype=np.int8)
+    out.flags.writeable = False
+    return out
 
 
 def as_run(row) -> dict[str, str]:
@@ -243,13 +251,29 @@ def pairs_of(rows: np.ndarray) -> set[tuple[int, int, int, int]]:
     """(option a, value, option b, value) for every pair of options (a < b) in the rows."""
     out = set()
     for a, b in itertools.combinations(range(len(OPTIONS)), 2):
-        out |= {(a, int(x), b, int(y)) for x, y in set(zip(rows[:, a].tolist(), rows[:, b].tolist()))}
+        nb = len(OPTIONS[b].values)
+        codes = np.unique(rows[:, a].astype(np.int64) * nb + rows[:, b]).tolist()
+        out |= {(a, x // nb, b, x % nb) for x in codes}
     return out
 
 
-def cost(row) -> float:
-    """What a run costs here: its ranks, three times over when compiled (fresh ranks, inductor)."""
-    run = as_run(row)
+def costs(rows: np.ndarray) -> np.ndarray:
+    """What each run costs here: its ranks, three times over when compiled (fresh ranks,
+    inductor); computed once per distinct mesh and compile value."""
+    cols = [i for i, o in enumerate(OPTIONS) if o.name in ("dp", "cp", "ep", "tp", "pp", "compile")]
+    code = np.zeros(len(rows), np.int64)
+    for i in cols:  # one mixed-radix number per row from those columns
+        code = code * len(OPTIONS[i].values) + rows[:, i]
+    keys, inverse = np.unique(code, return_inverse=True)
+    each = [_cost(int(k), cols) for k in keys]
+    return np.array(each)[inverse.ravel()]
+
+
+def _cost(code: int, cols: list[int]) -> int:
+    run = {}
+    for i in reversed(cols):
+        code, v = divmod(code, len(OPTIONS[i].values))
+        run[OPTIONS[i].name] = list(OPTIONS[i].values)[v]
     return world(run) * (3 if run["compile"] == "compiled" else 1)
 
 
@@ -260,7 +284,7 @@ def covering(seed: int = 0) -> list[dict[str, str]]:
     rows = feasible()
     order = np.random.default_rng(seed).permutation(len(rows))
     rows = rows[order]
-    costs = np.array([cost(r) for r in rows])
+    price = costs(rows)
     n = len(OPTIONS)
     sizes = [len(o.values) for o in OPTIONS]
     uncovered = {(a, b): np.zeros((sizes[a], sizes[b]), bool) for a, b in itertools.combinations(range(n), 2)}
@@ -271,7 +295,7 @@ def covering(seed: int = 0) -> list[dict[str, str]]:
         (a, b), u = next((k, u) for k, u in sorted(uncovered.items()) if u.any())
         x, y = (int(v[0]) for v in np.nonzero(u))
         cand = rows[(rows[:, a] == x) & (rows[:, b] == y)]
-        ccost = costs[(rows[:, a] == x) & (rows[:, b] == y)]
+        ccost = price[(rows[:, a] == x) & (rows[:, b] == y)]
         gain = sum(uncovered[i, j][cand[:, i], cand[:, j]].astype(int) for i, j in uncovered)
         best = np.lexsort((ccost, -gain))[0]
         row = cand[best]
