@@ -45,7 +45,8 @@ from .shapes import flops_per_token
 
 def _fsdp_working_bytes(recipe, numels: dict[str, tuple[int, int]]) -> int:
     """Gathered parameters and unsharded gradients FSDP holds at the peak (the backward).
-    pp: the whole stage stays gathered for the step, with its unsharded gradients. Otherwise
+    Not resharded after forward (pp, or fsdp_reshard_after_forward never): the whole stage
+    stays gathered for the step, with its unsharded gradients. Otherwise
     the root (gathered through the whole backward) and two blocks (the current one and the
     prefetched one); gradients of every unit accumulate unsharded over the microbatches
     before the last, else only the root's and the current block's."""
@@ -53,7 +54,7 @@ def _fsdp_working_bytes(recipe, numels: dict[str, tuple[int, int]]) -> int:
     if not p.fsdp_enabled:
         return 0
     whole = {name: gathered - held for name, (held, gathered) in numels.items()}
-    if p.pp_enabled:
+    if not p.reshard_after_forward:
         return 2 * FP32 * sum(whole.values())
     root = whole.pop("root", 0)
     blocks = sorted(whole.values(), reverse=True)

@@ -53,10 +53,13 @@ CONFIGS = {
     # Context parallelism at 4, by nanotron's key (context_parallel_size, cp's alias).
     "cp4": ["parallelism.context_parallel_size=4"],
     # tp_linear_async_communication under sequence parallelism at dp 2 x tp 2 (ALL_REDUCE:
-    # the 3d recipe's run below; tp 2 alone, both modes: test_async_tp).
+    # the 3d recipe's run below; tp 2 alone, both modes: test_async_tp); FSDP2 keeps the
+    # parameters gathered for the step (fsdp_reshard_after_forward never: one all-gather
+    # per step over the two microbatches, which check_comm counts).
     "dp2_tp2_sp_async": [
         *("parallelism.dp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
         "parallelism.tp_linear_async_communication=true",
+        "parallelism.fsdp_reshard_after_forward=never",
     ],
     # Uneven stages (README: pp_layers, e.g. [3, 1]): layers 0-2 on stage 0, layer 3 on stage 1.
     "pp2_uneven_layers": ["parallelism.pp=2", "parallelism.pp_layers=[3, 1]"],
