@@ -143,10 +143,11 @@ def moe_grad_numel(recipe, part: Part) -> int:
 
 def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
     """Per step. FSDP2: every unit all-gathers its shard for each forward and (resharded
-    after forward) each backward -- twice per microbatch; under pp (or fsdp_reshard_after_forward
-    never) parameters stay gathered for the whole step: once -- in the compute dtype (bf16 training gathers bf16 parameters:
-    FSDP2's MixedPrecisionPolicy), and reduce-scatters its whole fp32 gradient once; under
-    dp_mode hybrid within ep x dp_shard x cp, then all-reduces the shard across the
+    after forward) each backward -- twice per microbatch; under pp (or
+    fsdp_reshard_after_forward never) parameters stay gathered for the whole step: once --
+    in the compute dtype (bf16 training gathers bf16 parameters: FSDP2's
+    MixedPrecisionPolicy), and reduce-scatters its whole fp32 gradient once; under dp_mode
+    hybrid within ep x dp_shard x cp, then all-reduces the shard across the
     dp_replicate replicas. Replicate: one all-reduce of the gradients (dense over
     ep x dp x cp, experts over dp x cp)."""
     p = recipe.parallelism
