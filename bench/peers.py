@@ -6,6 +6,8 @@ Rows (the same model shape and global batch on both sides, one thread per rank, 
   world 1   plain transformers LlamaForCausalLM + torch AdamW    vs dtensor3d world 1
   dp 2      plain DDP loop / plain FSDP2 loop (fully_shard per layer) over the transformers
             model                                                  vs dp_mode replicate / shard
+            (shard also with fsdp_reshard_after_forward never, against the FSDP2 loop with
+            reshard_after_forward=False)
   tp 2      transformers' from_pretrained(tp_plan="auto") (where it cannot run on CPU/gloo,
             its error is printed and parallelize_module with transformers' own
             base_model_tp_plan is used)                            vs tp 2 ALL_REDUCE / REDUCE_SCATTER
@@ -33,10 +35,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = dict(vocab=2048, hidden=256, inter=688, layers=4, heads=8, kv=4, seq=256, batch=8, micro=2)
 QUICK = dict(vocab=256, hidden=64, inter=128, layers=2, heads=4, kv=2, seq=32, batch=4, micro=2)
 ASYNC = "parallelism.tp_linear_async_communication=true"
+SHARD = ["parallelism.dp=2", "parallelism.dp_mode=shard"]
 ROWS = [  # (name, ranks, peer worker, dtensor3d overrides or None: the row's peer only)
     ("world 1", 1, "plain", []),
     ("dp 2 replicate", 2, "ddp", ["parallelism.dp=2", "parallelism.dp_mode=replicate"]),
-    ("dp 2 shard", 2, "fsdp", ["parallelism.dp=2", "parallelism.dp_mode=shard"]),
+    ("dp 2 shard", 2, "fsdp", SHARD),
+    ("dp 2 shard, reshard never", 2, "fsdp_never", [*SHARD, "parallelism.fsdp_reshard_after_forward=never"]),
     ("tp 2 ALL_REDUCE", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE"]),
     ("tp 2 ALL_REDUCE async", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE", ASYNC]),
     ("tp 2 REDUCE_SCATTER", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"]),
@@ -105,13 +109,13 @@ def peer_model(kind: str, shape: dict, ckpt: str):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(LlamaForCausalLM(hf_config(shape)))
-    if kind == "fsdp":
+    if kind in ("fsdp", "fsdp_never"):
         from torch.distributed.fsdp import fully_shard
 
-        model = LlamaForCausalLM(hf_config(shape))
+        model, reshard = LlamaForCausalLM(hf_config(shape)), kind == "fsdp"
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return tp_peer(shape, ckpt, mesh)
 
 
@@ -144,7 +148,7 @@ def peer(kind: str, shape: dict, steps: int, ckpt: str) -> list[float]:
     # a mix of DTensors and tensors (AdamW, clip_grad_norm_), so that loop goes per tensor.
     foreach = kind != "tp"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=foreach)
-    dp = dist.get_world_size() if kind in ("ddp", "fsdp") else 1
+    dp = dist.get_world_size() if kind in ("ddp", "fsdp", "fsdp_never") else 1
     rank = dist.get_rank() if dp > 1 else 0
     gen, times, tokens = torch.Generator().manual_seed(0), [], shape["batch"] * shape["seq"]
     for _ in range(steps):
@@ -319,10 +323,11 @@ def main() -> None:
                 results[name][0].append(tokens / got[name])
                 results[name][1].append(tokens / got[f"peer {name}"])
     peers = {"plain": "transformers + AdamW", "ddp": "DDP loop", "fsdp": "FSDP2 loop", "tp": "transformers tp"}
+    peers["fsdp_never"] = "FSDP2 loop, no reshard"
     world1 = statistics.median(results["world 1"][0])
     for name, _, kind, _ in ROWS:
         print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
-    for name in ("dp 2 replicate", "dp 2 shard"):
+    for name in ("dp 2 replicate", "dp 2 shard", "dp 2 shard, reshard never"):
         eff = statistics.median(results[name][0]) / (2 * world1)
         print(f"{name}: parallel efficiency (tokens/s / 2 x world 1) {eff:.2f}", flush=True)
     speeds, procs = ([], []), ([], [])
