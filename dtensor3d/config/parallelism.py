@@ -52,6 +52,12 @@ class ParallelismConfig:
         "gathered for the whole step (never: one all-gather per step, the full parameters in memory); "
         "default: always, never for a pipeline stage",
     )
+    fsdp_bucket_layers: int = knob(
+        1,
+        "decoder layers per FSDP2 unit (one all-gather and one reduce-scatter each): more layers, fewer and "
+        "larger collectives, more parameters gathered at once",
+        positive=True,
+    )
     pp_virtual_stages: int = knob(0, "stages per pipeline rank; 0: the schedule's own (2 for the multi-stage ones)")
     recompute: Literal["none", "full", "selective"] | None = knob(
         None, "activation recomputation; null: recompute_layer's (true: full, else none)"

@@ -27,8 +27,8 @@ from .shards import local
 
 def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | None = None) -> nn.Module:
     """fully_shard each MoE layer's experts over dp x cp (they are already split over ep),
-    each decoder block and then the root (embedding, final norm, head) over ep x dp x cp
-    (the dense parameters, which ep replicates).
+    the decoder blocks in units of `fsdp_bucket_layers` consecutive blocks, and then the root
+    (embedding, final norm, head) over ep x dp x cp (the dense parameters, which ep replicates).
 
     Args:
         model: this rank's model part, after tp / ep.
@@ -40,11 +40,14 @@ def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | N
     dense_mesh, expert_mesh = fsdp_meshes(mesh, parallelism)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(reshard_after_forward=parallelism.reshard_after_forward, mp_policy=mp)
-    for block in model.model.layers.values():
+    blocks, n = list(model.model.layers.values()), parallelism.fsdp_bucket_layers
+    for block in blocks:
         moe = getattr(block, "block_sparse_moe", None)
         if moe is not None:
             fully_shard(moe.experts, mesh=expert_mesh, **kwargs)
-        fully_shard(block, mesh=dense_mesh, **kwargs)
+    for start in range(0, len(blocks), n):
+        unit = blocks[start : start + n]
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=dense_mesh, **kwargs)
     fully_shard(model, mesh=dense_mesh, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
