@@ -6,8 +6,8 @@ Rows (the same model shape and global batch on both sides, one thread per rank, 
   world 1   plain transformers LlamaForCausalLM + torch AdamW    vs dtensor3d world 1
   dp 2      plain DDP loop / plain FSDP2 loop (fully_shard per layer) over the transformers
             model                                                  vs dp_mode replicate / shard
-            (shard also with fsdp_reshard_after_forward never, against the FSDP2 loop with
-            reshard_after_forward=False)
+            (shard also with fsdp_reshard_after_forward never, and with fsdp_bucket_layers 4,
+            against the FSDP2 loop with reshard_after_forward=False)
   tp 2      transformers' from_pretrained(tp_plan="auto") (where it cannot run on CPU/gloo,
             its error is printed and parallelize_module with transformers' own
             base_model_tp_plan is used)                            vs tp 2 ALL_REDUCE / REDUCE_SCATTER
@@ -36,11 +36,13 @@ FULL = dict(vocab=2048, hidden=256, inter=688, layers=4, heads=8, kv=4, seq=256,
 QUICK = dict(vocab=256, hidden=64, inter=128, layers=2, heads=4, kv=2, seq=32, batch=4, micro=2)
 ASYNC = "parallelism.tp_linear_async_communication=true"
 SHARD = ["parallelism.dp=2", "parallelism.dp_mode=shard"]
+NEVER = "parallelism.fsdp_reshard_after_forward=never"
 ROWS = [  # (name, ranks, peer worker, dtensor3d overrides or None: the row's peer only)
     ("world 1", 1, "plain", []),
     ("dp 2 replicate", 2, "ddp", ["parallelism.dp=2", "parallelism.dp_mode=replicate"]),
     ("dp 2 shard", 2, "fsdp", SHARD),
-    ("dp 2 shard, reshard never", 2, "fsdp_never", [*SHARD, "parallelism.fsdp_reshard_after_forward=never"]),
+    ("dp 2 shard, reshard never", 2, "fsdp_never", [*SHARD, NEVER]),
+    ("dp 2 shard, never, bucket 4", 2, "fsdp_never", [*SHARD, NEVER, "parallelism.fsdp_bucket_layers=4"]),
     ("tp 2 ALL_REDUCE", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE"]),
     ("tp 2 ALL_REDUCE async", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE", ASYNC]),
     ("tp 2 REDUCE_SCATTER", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"]),
@@ -327,7 +329,7 @@ def main() -> None:
     world1 = statistics.median(results["world 1"][0])
     for name, _, kind, _ in ROWS:
         print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
-    for name in ("dp 2 replicate", "dp 2 shard", "dp 2 shard, reshard never"):
+    for name in [row[0] for row in ROWS if row[0].startswith("dp 2")]:
         eff = statistics.median(results[name][0]) / (2 * world1)
         print(f"{name}: parallel efficiency (tokens/s / 2 x world 1) {eff:.2f}", flush=True)
     speeds, procs = ([], []), ([], [])
