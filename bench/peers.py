@@ -15,7 +15,9 @@ Rows (the same model shape and global batch on both sides, one thread per rank, 
   generate  tokens/s of greedy generation after start-up, and the seconds of a whole
             one-token process: transformers' from_pretrained + generate vs dtensor3d generate
 Each round runs one torchrun job per world size; in it each row's peer, then dtensor3d, in the
-same processes; each times the median step after the first. Ratio = dtensor3d / peer (above
+same processes; each times the median step after the first. Parallel efficiency (dp 2 rows):
+dtensor3d's tokens/s at twice the global batch (each rank doing world 1's work) against twice
+world 1's. Ratio = dtensor3d / peer (above
 1: dtensor3d faster). `--quick`: tiny shapes, one round (the suite runs it; it checks every
 row has a number, no time asserted).
 """
@@ -200,8 +202,8 @@ def worker(args) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     for label, kind, overrides in json.loads(args.tasks):
-        if kind == "ours":
-            times[label] = ours(shape, overrides, args.steps)
+        if kind in ("ours", "ours_x2"):  # x2: twice the global batch (world 1's work per rank at dp 2)
+            times[label] = ours({**shape, "batch": shape["batch"] * (1 + (kind == "ours_x2"))}, overrides, args.steps)
         else:
             times[label] = peer(kind, shape, args.steps, args.ckpt)
     if dist.get_rank() == 0:
@@ -315,23 +317,41 @@ def main() -> None:
     tokens = shape["batch"] * shape["seq"]
     print(f"shape {shape}; {tokens} tokens/step; median step after the first; {args.rounds} round(s)", flush=True)
     ckpt = make_checkpoint(shape)
+    results, scaled = train_rows(args, ckpt, tokens)
+    peers = {"plain": "transformers + AdamW", "ddp": "DDP loop", "fsdp": "FSDP2 loop", "tp": "transformers tp"}
+    peers["fsdp_never"] = "FSDP2 loop, no reshard"
+    for name, _, kind, _ in ROWS:
+        print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
+    world1 = statistics.median(results["world 1"][0])
+    for name, got in scaled.items():
+        eff = statistics.median(got) / (2 * world1)
+        print(f"{name}: parallel efficiency (global batch x2: tokens/s / 2 x world 1) {eff:.2f}", flush=True)
+    generate_rows(args, ckpt)
+
+
+def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
+    """{row: ([dtensor3d tok/s per round], [peer tok/s per round])} and, for the dp 2 rows,
+    {row: [dtensor3d tok/s at twice the global batch]} (world 1's work on each rank: what
+    parallel efficiency compares). Per job: each row's peer, then dtensor3d, in the same
+    processes."""
     results: dict[str, tuple[list, list]] = {name: ([], []) for name, *_ in ROWS}
-    for _ in range(args.rounds):  # per job: each row's peer, then dtensor3d, in the same processes
+    scaled: dict[str, list] = {name: [] for name, *_ in ROWS if name.startswith("dp 2")}
+    for _ in range(args.rounds):
         for ranks in (1, 2):
             rows = [r for r in ROWS if r[1] == ranks]
             tasks = [t for name, _, kind, o in rows for t in ([f"peer {name}", kind, []], [name, "ours", o])]
+            tasks += [[f"x2 {name}", "ours_x2", o] for name, _, _, o in rows if name in scaled]
             got = run_job(ranks, tasks, args, ckpt)
             for name, *_ in rows:
                 results[name][0].append(tokens / got[name])
                 results[name][1].append(tokens / got[f"peer {name}"])
-    peers = {"plain": "transformers + AdamW", "ddp": "DDP loop", "fsdp": "FSDP2 loop", "tp": "transformers tp"}
-    peers["fsdp_never"] = "FSDP2 loop, no reshard"
-    world1 = statistics.median(results["world 1"][0])
-    for name, _, kind, _ in ROWS:
-        print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
-    for name in [row[0] for row in ROWS if row[0].startswith("dp 2")]:
-        eff = statistics.median(results[name][0]) / (2 * world1)
-        print(f"{name}: parallel efficiency (tokens/s / 2 x world 1) {eff:.2f}", flush=True)
+                if name in scaled:
+                    scaled[name].append(2 * tokens / got[f"x2 {name}"])
+    return results, scaled
+
+
+def generate_rows(args, ckpt: str) -> None:
+    """generate's tokens/s after start-up and a whole one-token process, against transformers'."""
     speeds, procs = ([], []), ([], [])
     for _ in range(args.rounds):
         for acc, got in ((speeds, generate_speeds(ckpt, 8 if args.quick else 64)), (procs, one_token_seconds(ckpt))):
