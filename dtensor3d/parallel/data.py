@@ -27,24 +27,27 @@ from .shards import local
 
 def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | None = None) -> nn.Module:
     """fully_shard each MoE layer's experts over dp x cp (they are already split over ep),
-    each decoder block and then the root (embedding, final norm, head) over ep x dp x cp
-    (the dense parameters, which ep replicates).
+    the decoder blocks in units of `fsdp_bucket_layers` consecutive blocks, and then the root
+    (embedding, final norm, head) over ep x dp x cp (the dense parameters, which ep replicates).
 
     Args:
         model: this rank's model part, after tp / ep.
         mesh: the mesh from `build_mesh`.
-        parallelism: its `fsdp_reshard_after_forward` decides resharding: a pipeline stage
-            keeps its parameters gathered between the forward and backward of a microbatch.
+        parallelism: its `reshard_after_forward` decides resharding (a pipeline stage, or
+            `fsdp_reshard_after_forward: never`, keeps its parameters gathered for the step).
         param_dtype: the compute dtype of the gathered parameters (None: the stored dtype).
     """
     dense_mesh, expert_mesh = fsdp_meshes(mesh, parallelism)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs = dict(reshard_after_forward=parallelism.fsdp_reshard_after_forward, mp_policy=mp)
-    for block in model.model.layers.values():
+    kwargs = dict(reshard_after_forward=parallelism.reshard_after_forward, mp_policy=mp)
+    blocks, n = list(model.model.layers.values()), parallelism.fsdp_bucket_layers
+    for block in blocks:
         moe = getattr(block, "block_sparse_moe", None)
         if moe is not None:
             fully_shard(moe.experts, mesh=expert_mesh, **kwargs)
-        fully_shard(block, mesh=dense_mesh, **kwargs)
+    for start in range(0, len(blocks), n):
+        unit = blocks[start : start + n]
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=dense_mesh, **kwargs)
     fully_shard(model, mesh=dense_mesh, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -65,10 +68,13 @@ def fsdp_meshes(mesh, parallelism):
 
 def gradient_sync(model: nn.Module, parallelism, last_microbatch: bool) -> None:
     """Step time, before each microbatch: under FSDP, reduce-scatter gradients only in the
-    backward of the step's last microbatch (earlier ones accumulate unsharded). Pipeline
-    schedules do this themselves."""
+    backward of the step's last microbatch (earlier ones accumulate unsharded); parameters
+    not resharded after forward stay gathered until then too (one all-gather per step).
+    Pipeline schedules do this themselves."""
     if parallelism.fsdp_enabled:
         model.set_requires_gradient_sync(last_microbatch)
+        if not parallelism.reshard_after_forward:
+            model.set_reshard_after_backward(last_microbatch)
 
 
 def sync_replicated_grads(model: nn.Module, params: list[nn.Parameter], mesh, parallelism) -> None:

@@ -143,16 +143,17 @@ def moe_grad_numel(recipe, part: Part) -> int:
 
 def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
     """Per step. FSDP2: every unit all-gathers its shard for each forward and (resharded
-    after forward) each backward -- twice per microbatch; under pp parameters stay gathered
-    for the whole step: once -- in the compute dtype (bf16 training gathers bf16 parameters:
-    FSDP2's MixedPrecisionPolicy), and reduce-scatters its whole fp32 gradient once; under
-    dp_mode hybrid within ep x dp_shard x cp, then all-reduces the shard across the
+    after forward) each backward -- twice per microbatch; under pp (or
+    fsdp_reshard_after_forward never) parameters stay gathered for the whole step: once --
+    in the compute dtype (bf16 training gathers bf16 parameters: FSDP2's
+    MixedPrecisionPolicy), and reduce-scatters its whole fp32 gradient once; under dp_mode
+    hybrid within ep x dp_shard x cp, then all-reduces the shard across the
     dp_replicate replicas. Replicate: one all-reduce of the gradients (dense over
     ep x dp x cp, experts over dp x cp)."""
     p = recipe.parallelism
     numels, grads = unit_numels(recipe, units), unit_numels(recipe, units, grads=True)
     if p.fsdp_enabled:
-        gathers = 1 if p.pp_enabled else 2 * recipe.num_microbatches
+        gathers = 2 * recipe.num_microbatches if p.reshard_after_forward else 1
         sharded = [name for name, u in units.items() if u["group"] > 1]
         replicas = p.dp_replicate if p.hsdp_enabled else 1  # HSDP all-reduces the shards across replicas
         return _kinds(

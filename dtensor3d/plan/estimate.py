@@ -45,20 +45,22 @@ from .shapes import flops_per_token
 
 def _fsdp_working_bytes(recipe, numels: dict[str, tuple[int, int]]) -> int:
     """Gathered parameters and unsharded gradients FSDP holds at the peak (the backward).
-    pp: the whole stage stays gathered for the step, with its unsharded gradients. Otherwise
-    the root (gathered through the whole backward) and two blocks (the current one and the
-    prefetched one); gradients of every unit accumulate unsharded over the microbatches
-    before the last, else only the root's and the current block's."""
+    Not resharded after forward (pp, or fsdp_reshard_after_forward never): the whole stage
+    stays gathered for the step, with its unsharded gradients. Otherwise
+    the root (gathered through the whole backward) and two units of `fsdp_bucket_layers`
+    blocks (the current one and the prefetched one); gradients of every unit accumulate
+    unsharded over the microbatches before the last, else only the root's and the current
+    unit's."""
     p = recipe.parallelism
     if not p.fsdp_enabled:
         return 0
     whole = {name: gathered - held for name, (held, gathered) in numels.items()}
-    if p.pp_enabled:
+    if not p.reshard_after_forward:
         return 2 * FP32 * sum(whole.values())
-    root = whole.pop("root", 0)
+    root, n = whole.pop("root", 0), p.fsdp_bucket_layers
     blocks = sorted(whole.values(), reverse=True)
-    grads = sum(blocks) if recipe.num_microbatches > 1 else sum(blocks[:1])
-    return FP32 * (2 * root + sum(blocks[:2]) + grads)
+    grads = sum(blocks) if recipe.num_microbatches > 1 else sum(blocks[:n])
+    return FP32 * (2 * root + sum(blocks[: 2 * n]) + grads)
 
 
 def stage_estimate(recipe, part: Part, units: dict[str, dict]) -> dict:

@@ -69,8 +69,11 @@ class LayoutProbe(StepHook):
 
     def after_step(self, state, metrics: dict, seconds: float) -> None:
         if self.counter is not None:
-            comm, self.counter = self.counter.result(), None
-            write_layout(state.model, state.coords, dist.get_rank(), state.recipe.logging.run_dir, comm)
+            counter, self.counter = self.counter, None
+            calls = {d: dict(kinds) for d, kinds in counter.calls.items()}
+            write_layout(
+                state.model, state.coords, dist.get_rank(), state.recipe.logging.run_dir, counter.result(), calls
+            )
 
 
 class Profiling(StepHook):
