@@ -371,6 +371,23 @@ def check_comm(run_dir: Path, recipe) -> None:
 
 
 # ---------------------------------------------------------------- prepared sources of distinct documents
+def prepare_packed(root: Path) -> Path:
+    """A byte-level prepared directory root/out of 300 documents of 2 to 21 tokens (EOS
+    included): a 32-token window holds 2 to 5 of them, and most start or end inside a cp chunk
+    (document masking's runs: vocab_size 264)."""
+    import json
+    import random
+
+    from dtensor3d.__main__ import main
+
+    rng = random.Random(0)
+    rows = ["".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 20))) for _ in range(300)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    args = ["prepare-data", str(root / "docs.jsonl"), "--out", str(root / "out"), "--tokenizer", "byte"]
+    assert main([*args, "--val-fraction", "0.2", "--no-progress"]) == 0
+    return root / "out"
+
+
 def prepare_words(root: Path, name: str, documents: int, seed: int, val_fraction: float = 0.25, tokenizer="byte"):
     """A prepared directory root/name of `documents` byte-tokenized documents, each ~600 random
     lowercase letters and spaces (seeded by `seed` and the document): no 32-byte run of one

@@ -6,15 +6,13 @@ short documents (straddling cp chunks, windows and microbatches) at dp 2 x cp 2 
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import PARITY, assert_parity, check_comm, cli, one_error_line, scheduled_lrs, train_metrics
+from helpers import PARITY, assert_parity, check_comm, cli, one_error_line, prepare_packed, scheduled_lrs, train_metrics
 
-from dtensor3d.__main__ import main
 from dtensor3d.checkpoint.check import check_trajectory
 from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
@@ -28,15 +26,8 @@ from dtensor3d.parallel.shards import init_weights
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
-    """A byte-level prepared directory of 300 documents of 2 to 21 tokens (EOS included):
-    a 32-token window holds 2 to 5 of them, and most start or end inside a cp chunk."""
-    root = tmp_path_factory.mktemp("packed")
-    rng = random.Random(0)
-    rows = ["".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 20))) for _ in range(300)]
-    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
-    args = ["prepare-data", str(root / "docs.jsonl"), "--out", str(root / "out"), "--tokenizer", "byte"]
-    assert main([*args, "--val-fraction", "0.2", "--no-progress"]) == 0
-    return root / "out"
+    """helpers.prepare_packed: 300 documents of 2 to 21 tokens (EOS included)."""
+    return prepare_packed(tmp_path_factory.mktemp("packed"))
 
 
 def data_overrides(path) -> list[str]:

@@ -23,6 +23,8 @@ LLAMA3_ROPE = (
     "original_max_position_embeddings: 8}"
 )
 
+DOCUMENTS = "<documents>"  # in an override: the prepared directory's path, given to overrides()
+
 
 @dataclass(frozen=True)
 class Option:
@@ -66,6 +68,21 @@ OPTIONS = (
     Option("tied", {"untied": (), "tied": ("model.tie_word_embeddings=true",)}, model=True),
     Option("shared_expert", {"none": (), "32": ("model.shared_expert_intermediate_size=32",)}, model=True),
     Option("moe_layers", {"all": (), "1_3": ("model.moe_layers=[1, 3]",)}, model=True),
+    # Packed short documents from a prepared directory (test_matrix.py's `documents` fixture;
+    # the run and its reference both read it), each attending only to itself.
+    Option(
+        "documents",
+        {
+            "synthetic": (),
+            "masked": (
+                "data.kind=tokens",
+                f"data.path={DOCUMENTS}",
+                "model.vocab_size=264",
+                "data.document_masking=true",
+            ),
+        },
+        model=True,
+    ),
     Option("dtype", {"float32": (), "bfloat16": ("training.dtype=bfloat16",)}, model=True),
     Option("dp", {"1": (), "2": ("parallelism.dp=2",), "4": ("parallelism.dp=4",)}),
     Option(
@@ -305,18 +322,19 @@ def covering(seed: int = 0) -> list[dict[str, str]]:
     return [as_run(r) for r in chosen]
 
 
-def overrides(run: dict[str, str]) -> list[str]:
-    """The run's overrides: its options' and the short form (6 steps, microbatches of 2 or 1)."""
+def overrides(run: dict[str, str], documents: str) -> list[str]:
+    """The run's overrides: its options' and the short form (6 steps, microbatches of 2 or 1);
+    `documents`: the prepared directory of packed documents."""
     out = ["training.steps=6", f"training.micro_batch_size={micro_batch(run)}"]
-    return out + [o for opt in OPTIONS for o in opt.values[run[opt.name]]]
+    return out + [o.replace(DOCUMENTS, documents) for opt in OPTIONS for o in opt.values[run[opt.name]]]
 
 
-def reference_overrides(run: dict[str, str]) -> list[str]:
+def reference_overrides(run: dict[str, str], documents: str) -> list[str]:
     """The 1-process run it is compared with: the same model options, no parallelism. The
     microbatch size is the run's for a model with experts (the balance loss is Mixtral's per
     microbatch, so it depends on how many sequences a microbatch holds); a dense model's loss
     is a sum over the global batch's tokens whatever the microbatches, so its reference keeps 2."""
-    model = [o for opt in OPTIONS if opt.model for o in opt.values[run[opt.name]]]
+    model = [o.replace(DOCUMENTS, documents) for opt in OPTIONS if opt.model for o in opt.values[run[opt.name]]]
     mb = micro_batch(run) if run["model"] in EXPERTS else 2
     return ["training.steps=6", f"training.micro_batch_size={mb}", *model]
 

@@ -12,7 +12,17 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import DEEPSEEK, MOE, PARITY, assert_parity, check_comm, check_layout, scheduled_lrs, train_metrics
+from helpers import (
+    DEEPSEEK,
+    MOE,
+    PARITY,
+    assert_parity,
+    check_comm,
+    check_layout,
+    prepare_packed,
+    scheduled_lrs,
+    train_metrics,
+)
 from matrix import (
     EXPERTS,
     OPTIONS,
@@ -39,6 +49,12 @@ COMPILE_TOL = 1e-4  # torch.compile against eager (tests/training/test_speed.py)
 # The bars of tests/models/test_reference.py's two bf16 implementations; measured here:
 # qwen3 dp2 replicate x tp2 sequence parallel x pp2 1f1b, loss 4e-5, grad_norm 1.2e-3.
 BF16_TOL = {"loss": 2e-4, "grad_norm": 3e-3, "aux_loss": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory) -> str:
+    """The prepared directory of packed short documents the `documents=masked` runs read."""
+    return str(prepare_packed(tmp_path_factory.mktemp("packed")))
 
 
 def recipe_of(run: dict[str, str]) -> str:
@@ -71,14 +87,14 @@ def test_every_pair_is_covered():
 
 
 @pytest.mark.parametrize("run", RUNS, ids=name)
-def test_each_run_passes_the_door(run):
-    recipe = load_recipe(recipe_of(run), overrides(run))
+def test_each_run_passes_the_door(run, documents):
+    recipe = load_recipe(recipe_of(run), overrides(run, documents))
     assert recipe.parallelism.world_size == world(run) <= 8
     assert recipe_of(run) == PARITY or recipe.model.num_local_experts > 0
 
 
 @pytest.mark.parametrize("rule", [r for r in RULES if r.door], ids=lambda r: r.why)
-def test_the_door_refuses_what_a_rule_refuses(rule):
+def test_the_door_refuses_what_a_rule_refuses(rule, documents):
     """For each rule the trainer enforces: an allowed combination (the matrix's runs first)
     with one option changed so that this rule alone fails is refused at the door (the
     table's rules are the trainer's)."""
@@ -88,7 +104,7 @@ def test_the_door_refuses_what_a_rule_refuses(rule):
                 bad = {**run, option.name: value}
                 if [r for r in RULES if not r.ok(bad)] == [rule]:
                     with pytest.raises(RecipeError):
-                        load_recipe(recipe_of(bad), overrides(bad))
+                        load_recipe(recipe_of(bad), overrides(bad, documents))
                     return
     pytest.fail(f"no run one option away breaks only {rule.why!r}")
 
@@ -101,10 +117,10 @@ def tolerance(run: dict[str, str]) -> float | dict[str, float]:
 
 @pytest.mark.matrix
 @pytest.mark.parametrize("run", RUNS, ids=name)
-def test_matrix_parity(run, reference, tmp_path, record_property):
-    recipe_path, given = recipe_of(run), overrides(run)
+def test_matrix_parity(run, reference, documents, tmp_path, record_property):
+    recipe_path, given = recipe_of(run), overrides(run, documents)
     recipe = load_recipe(recipe_path, given)
-    ref = reference(reference_overrides(run), recipe_path)
+    ref = reference(reference_overrides(run, documents), recipe_path)
     got = train_metrics(tmp_path, world(run), [*given, "logging.layout=true"], recipe_path)
     check_layout(tmp_path, recipe)  # every rank holds every parameter as the plans promise
     keys = ("loss", "grad_norm", "aux_loss") if run["model"] in EXPERTS else ("loss", "grad_norm")
