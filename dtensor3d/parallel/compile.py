@@ -9,6 +9,13 @@ it. `Module.compile` keeps the module where it is, so parameter names do not cha
 A decoder layer with experts compiles only its attention: its routing (tokens per expert,
 `tolist`) has data-dependent shapes that recompile past dynamo's limit at every step, and
 dynamo loses `to_local` of the ep-sharded expert weights before grouped_mm.
+Under `recompute: full` a dense block compiles its body (`_forward`) and keeps the
+checkpoint around it eager (replayed in backward, compiled graph and all), as a layer with
+experts does: torch 2.13's trace of a non-reentrant checkpoint whose region holds
+scaled_dot_product_attention on tp-sharded heads saves the DeviceMesh as if it were a tensor,
+and every rank stops in the first forward ("expected all tensors_saved_with_vc_check to be
+Tensors"; found by tests/parallel/test_matrix.py; torch alone: bench/compile_checkpoint_tp.py).
+Selective recompute stays inside the compiled block: its policy runs in the trace.
 With tensor parallelism a block's DTensor styles (colwise/rowwise, sequence parallel) are
 traced inside its graph. What reaches a block from outside is plain, except the first block
 of a stage after the embedding: tp's async redistribute makes that an AsyncCollectiveTensor,
@@ -79,11 +86,18 @@ def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
     running the block eager (torch's default)."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for index, block in model.model.layers.items():
-        # A MoE layer: only its attention (routing has data-dependent shapes that recompile)
-        target, name = (block.self_attn, f"model.layers.{index}.self_attn") if _is_moe(block) else (block, None)
+        name = f"model.layers.{index}"
+        if _is_moe(block):  # only its attention (routing has data-dependent shapes that recompile)
+            target, name = block.self_attn, f"{name}.self_attn"
+        elif getattr(block, "recompute", "none") == "full":
+            # The block's body, under an eager checkpoint (module docstring)
+            compiled = torch.compile(block._forward, backend=backend)
+            block._forward = _named_failures(_settled_inputs(compiled), name)
+            continue
+        else:
+            target = block
         target.compile(backend=backend)
-        compiled = _settled_inputs(target._compiled_call_impl)
-        target._compiled_call_impl = _named_failures(compiled, name or f"model.layers.{index}")
+        target._compiled_call_impl = _named_failures(_settled_inputs(target._compiled_call_impl), name)
     return model
 
 

@@ -12,7 +12,8 @@
     5 expert parallel    expert.py             experts sharded over ep before FSDP sees them
     6 recompute          (models, step 1)      wraps whole layers; compile and FSDP wrap those
     7 compile            compile.py            one graph per block, with its DTensor layouts
-                                               and checkpoint inside, FSDP's hooks outside
+                                               inside (and a selective checkpoint; a full one
+                                               stays outside), FSDP's hooks outside
     8 fsdp               data.py               last: it shards whatever the others left;
                                                bf16 training gathers bf16 parameters here
 
