@@ -281,6 +281,24 @@ CASES = [
         command="train",
         overrides=("model.shared_expert_intermediate_size=32",),
     ),
+    # -- torch.compile against what it cannot run (config/checks.py's _validate_recompute)
+    Case(
+        "compile-zbv",
+        ("training.compile=true", "pp_engine zbv", "1f1b, afab or interleaved_1f1b"),
+        edit={"parallelism.pp_engine": "zbv", "training.compile": True},
+    ),
+    Case(
+        "compile-dualpipev-launch",
+        ("training.compile=true", "pp_engine dualpipev", "compile: false"),
+        command="launch",
+        edit={"training.global_batch_size": 32},  # the 4 microbatches dualpipev needs at pp 2
+        overrides=("parallelism.pp_engine=dualpipev", "training.compile=true"),
+    ),
+    Case(
+        "selective-compile-experts",
+        ("parallelism.recompute=selective", "training.compile=true", "experts", "recompute none or full"),
+        edit={"model.num_local_experts": 4, "parallelism.recompute": "selective", "training.compile": True},
+    ),
     # -- multi-node: MASTER_PORT
     Case(
         "nnodes-without-master-port",
