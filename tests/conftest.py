@@ -89,6 +89,8 @@ QUICK_FILES = {
     "test_init.py",
     "test_matrix.py",
     "test_async_tp.py",
+    "test_device_switches.py",
+    "test_mfu.py",
     "test_documents.py",
 }
 # Tests of those files that start ranks or train (slow all the same).

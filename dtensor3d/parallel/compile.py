@@ -73,17 +73,34 @@ def _settled_inputs(fn):
     return call
 
 
+def compile_backend(device_type: str) -> str:
+    """The compiler backend per device (pure; the one switch for CPU and CUDA): inductor on
+    both (C++/OpenMP kernels on CPU, Triton on CUDA: inductor picks its code generator from
+    the tensors' device, not from us). CUDA's extra, tp's micro-pipeline pass, is tp's switch
+    (`tensor.tp_overlap`)."""
+    del device_type  # the same backend everywhere
+    return "inductor"
+
+
+def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What is compiled (pure: reads the module tree), as (name, module): every decoder block
+    of this stage, or a MoE layer's attention alone (its routing has data-dependent shapes
+    that recompile at every step)."""
+    return [
+        (f"model.layers.{i}.self_attn", block.self_attn) if _is_moe(block) else (f"model.layers.{i}", block)
+        for i, block in model.model.layers.items()
+    ]
+
+
 def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
-    """Compile every decoder block of this stage in place (one graph per block; blocks of
-    the same shape share it). Hitting dynamo's recompile limit raises instead of quietly
-    running the block eager (torch's default)."""
+    """Compile each of `compile_targets` in place (one graph per block; blocks of the same
+    shape share it). Hitting dynamo's recompile limit raises instead of quietly running the
+    block eager (torch's default)."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    for index, block in model.model.layers.items():
-        # A MoE layer: only its attention (routing has data-dependent shapes that recompile)
-        target, name = (block.self_attn, f"model.layers.{index}.self_attn") if _is_moe(block) else (block, None)
+    for name, target in compile_targets(model):
         target.compile(backend=backend)
         compiled = _settled_inputs(target._compiled_call_impl)
-        target._compiled_call_impl = _named_failures(compiled, name or f"model.layers.{index}")
+        target._compiled_call_impl = _named_failures(compiled, name)
     return model
 
 
