@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
@@ -32,17 +33,21 @@ def run(recipe_path: str, overrides: list[str], counted: bool) -> dict:
     recipe = load_recipe(recipe_path, overrides, world_size=int(os.environ["WORLD_SIZE"]))
     state = setup(recipe)
     source = make_source(recipe)
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     first = train_step(state, rank_batch(state, source, 0))
     with count_step(state.mesh) if counted else contextlib.nullcontext() as counter:
         second = train_step(state, rank_batch(state, source, 1))
-    if counter is None:
-        return {"metrics": [{k: m[k] for k in ("loss", "grad_norm")} for m in (first, second)]}
-    return {
+    out = {
         "metrics": [{k: m[k] for k in ("loss", "grad_norm")} for m in (first, second)],
-        "issued": {k: dict(v) for k, v in counter.issued.items()},
-        "overlapped": {k: dict(v) for k, v in counter.overlapped.items()},
-        "wait_s": dict(counter.wait_s),
+        # dynamo's graphs traced and graph breaks met in this setup (0 and 0 when eager)
+        "graphs": counters["stats"]["unique_graphs"] - graphs,
+        "graph_breaks": sum(counters["graph_break"].values()) - breaks,
     }
+    if counter is not None:
+        out["issued"] = {k: dict(v) for k, v in counter.issued.items()}
+        out["overlapped"] = {k: dict(v) for k, v in counter.overlapped.items()}
+        out["wait_s"] = dict(counter.wait_s)
+    return out
 
 
 def main() -> None:
