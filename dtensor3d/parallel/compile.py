@@ -93,9 +93,9 @@ def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
-    """Compile each of `compile_targets` in place (one graph per block; blocks of the same
-    shape share it). Hitting dynamo's recompile limit raises instead of quietly running the
-    block eager (torch's default)."""
+    """Compile each of `compile_targets` in place (one dynamo graph per block: each block is
+    its own module, so n blocks trace n graphs). Hitting dynamo's recompile limit raises
+    instead of quietly running the block eager (torch's default)."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for name, target in compile_targets(model):
         target.compile(backend=backend)
