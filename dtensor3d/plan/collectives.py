@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..config.schema import V_SCHEDULES
 from .memory import _moe_layers
 from .params import FP32, KINDS, Part, param_table, rank_parts, shard_numel, sizes, stage_units, unit_numels
-from .schedule_model import sends_per_microbatch
+from .schedule_model import sends_per_microbatch, weight_passes
 from .shapes import weight_groups
 
 # -- communication -----------------------------------------------------------------------
@@ -63,30 +63,32 @@ def _mla_backward(recipe, bwd: dict) -> dict:
 
 
 def replays(recipe, stage: int, layer: int) -> int:
-    """How many times backward runs a layer's forward collectives again per microbatch (the
-    layer on global pipeline stage `stage`). None without recompute; once under full, and
-    under selective too (its policy keeps only matmul outputs; the gathered inputs those
-    matmuls' backward reads are recomputed, collectives included -- counted on tp2 sp x cp2).
-    Under zbv and dualpipev with full recompute, on every stage but the first, once more per
-    weight group of the layer (shapes.weight_groups): their split backward computes the
-    weight gradients (W) with one autograd.grad per parameter group, each a new graph task,
-    and torch.utils.checkpoint recomputes the layer for every graph task that reads its
-    saved tensors (plan/memory.weight_pass_bytes counts the copies). The first stage's input
-    needs no gradient: torch runs its backward whole (one recomputation). Measured on tp2 sp
-    x pp2 zbv: a parity layer (9 weight groups) on stage 1 gathers 10 times in backward."""
-    p = recipe.parallelism
+    """Per step: how many times backward runs the forward collectives of decoder layer
+    `layer` (on global pipeline stage `stage`) again. None without recompute; once per
+    microbatch under full, and under selective too (its policy keeps only matmul outputs; the
+    gathered inputs those matmuls' backward reads are recomputed, collectives included --
+    counted on tp2 sp x cp2). Under zbv and dualpipev with full recompute, on every stage but
+    the first, also once per weight group of the layer (shapes.weight_groups) in each weight
+    backward W (schedule_model.weight_passes): torch computes W with one autograd.grad per
+    parameter group, each a new graph task, and torch.utils.checkpoint recomputes the layer
+    for every graph task that reads its saved tensors (memory.weight_pass_bytes counts the
+    copies). The first stage's input needs no gradient: torch runs its backward whole.
+    Measured on tp2 sp x pp2 with 8 microbatches: a parity layer (9 weight groups) on stage
+    1 replays 8 + 8 x 9 times under zbv, 8 + 1 x 9 under dualpipev."""
+    p, m = recipe.parallelism, recipe.num_microbatches
     if p.recompute == "none":
         return 0
-    split = p.pp_enabled and p.pp_engine in V_SCHEDULES and p.recompute == "full" and stage > 0
-    return 1 + (weight_groups(recipe.model, layer) if split else 0)
+    if p.recompute != "full" or not p.pp_enabled or p.pp_engine not in V_SCHEDULES or stage == 0:
+        return m
+    return m + weight_passes(p, m, stage) * weight_groups(recipe.model, layer)
 
 
 def _layer_runs(recipe, part: Part):
-    """(layer, is an MoE layer, replays) for each decoder layer of this pp rank."""
+    """(is an MoE layer, replays per step) for each decoder layer of this pp rank."""
     m = recipe.model
     for stage, layers in zip(part.stages, part.stage_layers):
         for i in layers:
-            yield i, bool(m.num_local_experts) and m.is_moe_layer(i), replays(recipe, stage, i)
+            yield bool(m.num_local_experts) and m.is_moe_layer(i), replays(recipe, stage, i)
 
 
 def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
@@ -114,20 +116,20 @@ def _add(total: dict, part: dict, times: int = 1) -> None:
 
 def tp_bytes(recipe, part: Part) -> dict[str, int]:
     """Per step: DTensor collectives of the tp plan (parallel/tensor.py), per microbatch:
-    each layer's (and its forward's again as often as `replays` says), the embedding's, the
-    head's and loss_parallel's three fp32 all-reduces over the tokens (max, sum of exp, target
-    logit); matmul outputs at the compute width, other activations at `Sizes.act`;
-    per step under sequence parallelism, the all-reduce of the norm weights' gradients
+    each layer's, the embedding's, the head's and loss_parallel's three fp32 all-reduces over
+    the tokens (max, sum of exp, target logit); matmul outputs at the compute width, other
+    activations at `Sizes.act`; a layer's forward again as often as `replays` says; per step
+    under sequence parallelism, the all-reduce of the norm weights' gradients
     (`match_grad_placements`), and with per-head q/k norms (Qwen3) theirs at either tp mode."""
     p, z = recipe.parallelism, sizes(recipe)
     if not p.tp_enabled:
         return _kinds()
-    layers, per_micro = part.layers, {}
-    for _, moe, again in _layer_runs(recipe, part):
+    layers, per_micro, per_step = part.layers, {}, {}
+    for moe, again in _layer_runs(recipe, part):
         fwd, bwd = _tp_layer(recipe, moe)
         _add(per_micro, fwd)
         _add(per_micro, bwd)
-        _add(per_micro, _tp_replay(recipe, fwd, moe), again)
+        _add(per_step, _tp_replay(recipe, fwd, moe), again)
     full_f, part_f = z.tokens * z.hidden * z.act, z.seq_tokens * z.hidden * z.act
     if part.first:  # vocab-parallel embedding: its partial output is reduced
         _add(
@@ -140,7 +142,7 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
             {"all_gather": part_f, "reduce_scatter": full_f} if p.sequence_parallel else {"all_reduce": full_f},
         )
         _add(per_micro, {"all_reduce": 3 * z.tokens * FP32})
-    per_step = {k: n * recipe.num_microbatches for k, n in per_micro.items()}
+    _add(per_step, per_micro, recipe.num_microbatches)
     if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
         norms = 2 * len(layers) + part.last
         _add(per_step, {"all_reduce": norms * z.hidden * FP32})
@@ -209,12 +211,12 @@ def cp_bytes(recipe, part: Part, backend: str) -> dict[str, int]:
     grads = z.kv_tokens * z.kv_pair * z.compute
     stats = (2 * m.num_local_experts + 1) * FP32
     bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"
-    per_micro = {"all_gather": 0, bwd_kind: 0, "all_reduce": 0}
-    for _, moe, again in _layer_runs(recipe, part):
-        per_micro["all_gather"] += (1 + again) * kv
-        per_micro[bwd_kind] += grads
-        per_micro["all_reduce"] += (2 + again) * stats * moe
-    return _kinds(**{k: n * recipe.num_microbatches for k, n in per_micro.items()})
+    mb, per_step = recipe.num_microbatches, {"all_gather": 0, bwd_kind: 0, "all_reduce": 0}
+    for moe, again in _layer_runs(recipe, part):
+        per_step["all_gather"] += (mb + again) * kv
+        per_step[bwd_kind] += mb * grads
+        per_step["all_reduce"] += (2 * mb + again) * stats * moe
+    return _kinds(**per_step)
 
 
 def ep_bytes(recipe, part: Part) -> dict[str, int]:
@@ -227,8 +229,8 @@ def ep_bytes(recipe, part: Part) -> dict[str, int]:
     rows = z.tokens * m.num_experts_per_tok * z.hidden
     fwd = m.num_local_experts * 8 + rows * (z.act + z.compute)
     bwd = rows * (z.compute + z.act)
-    per_micro = sum(((1 + again) * fwd + bwd) * moe for _, moe, again in _layer_runs(recipe, part))
-    return _kinds(all_to_all=per_micro * recipe.num_microbatches)
+    mb = recipe.num_microbatches
+    return _kinds(all_to_all=sum(((mb + again) * fwd + mb * bwd) * moe for moe, again in _layer_runs(recipe, part)))
 
 
 def tied_bytes(recipe, part: Part, units: dict[str, dict]) -> dict[str, int]:
