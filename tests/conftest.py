@@ -67,6 +67,7 @@ def smollm2(tmp_path_factory) -> Path:
 QUICK_FILES = {
     "test_architecture.py",
     "test_estimate.py",
+    "test_collectives.py",
     "test_plan.py",
     "test_plan_accuracy.py",
     "test_plan_simulate.py",

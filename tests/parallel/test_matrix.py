@@ -111,19 +111,4 @@ def test_matrix_parity(run, reference, tmp_path, record_property):
         assert [g["tokens_per_expert"] for g in got] == [r["tokens_per_expert"] for r in ref]
     print(f"{name(run)}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     assert got[-1]["loss"] < got[0]["loss"]  # and it learned
-    try:
-        check_comm(tmp_path, recipe)  # and hands each collective the bytes plan's estimate gives
-    except AssertionError:
-        if fault := known_plan_fault(run):
-            pytest.xfail(f"training parity holds; plan's byte estimate is known wrong here: {fault}")
-        raise
-
-
-def known_plan_fault(run: dict[str, str]) -> str | None:
-    """The combinations where plan's collective-byte estimate is known not to match (found by
-    this matrix; open bugs in plan/, not in training): the test checks parity, then xfails."""
-    if run["dtype"] == "bfloat16" and (run["pp"] != "1" or run["tp"] != "1"):
-        return "bf16 pipeline sends and tp activation collectives (counted at fp32 width)"
-    if run["pp"] in ("zbv", "dualpipev") and run["recompute"] == "full" and run["tp"] != "1":
-        return "tp collectives replayed by full recompute under the V schedules"
-    return None
+    check_comm(tmp_path, recipe)  # and hands each collective the bytes plan's estimate gives
