@@ -6,6 +6,8 @@ Rows (the same model shape and global batch on both sides, one thread per rank, 
   world 1   plain transformers LlamaForCausalLM + torch AdamW    vs dtensor3d world 1
   dp 2      plain DDP loop / plain FSDP2 loop (fully_shard per layer) over the transformers
             model                                                  vs dp_mode replicate / shard
+            (shard also with fsdp_reshard_after_forward never, and with fsdp_bucket_layers 4,
+            against the FSDP2 loop with reshard_after_forward=False)
   tp 2      transformers' from_pretrained(tp_plan="auto") (where it cannot run on CPU/gloo,
             its error is printed and parallelize_module with transformers' own
             base_model_tp_plan is used)                            vs tp 2 ALL_REDUCE / REDUCE_SCATTER
@@ -13,7 +15,9 @@ Rows (the same model shape and global batch on both sides, one thread per rank, 
   generate  tokens/s of greedy generation after start-up, and the seconds of a whole
             one-token process: transformers' from_pretrained + generate vs dtensor3d generate
 Each round runs one torchrun job per world size; in it each row's peer, then dtensor3d, in the
-same processes; each times the median step after the first. Ratio = dtensor3d / peer (above
+same processes; each times the median step after the first. Parallel efficiency (dp 2 rows):
+dtensor3d's tokens/s at twice the global batch (each rank doing world 1's work) against twice
+world 1's. Ratio = dtensor3d / peer (above
 1: dtensor3d faster). `--quick`: tiny shapes, one round (the suite runs it; it checks every
 row has a number, no time asserted).
 """
@@ -33,10 +37,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = dict(vocab=2048, hidden=256, inter=688, layers=4, heads=8, kv=4, seq=256, batch=8, micro=2)
 QUICK = dict(vocab=256, hidden=64, inter=128, layers=2, heads=4, kv=2, seq=32, batch=4, micro=2)
 ASYNC = "parallelism.tp_linear_async_communication=true"
+SHARD = ["parallelism.dp=2", "parallelism.dp_mode=shard"]
+NEVER = "parallelism.fsdp_reshard_after_forward=never"
 ROWS = [  # (name, ranks, peer worker, dtensor3d overrides or None: the row's peer only)
     ("world 1", 1, "plain", []),
     ("dp 2 replicate", 2, "ddp", ["parallelism.dp=2", "parallelism.dp_mode=replicate"]),
-    ("dp 2 shard", 2, "fsdp", ["parallelism.dp=2", "parallelism.dp_mode=shard"]),
+    ("dp 2 shard", 2, "fsdp", SHARD),
+    ("dp 2 shard, reshard never", 2, "fsdp_never", [*SHARD, NEVER]),
+    ("dp 2 shard, never, bucket 4", 2, "fsdp_never", [*SHARD, NEVER, "parallelism.fsdp_bucket_layers=4"]),
     ("tp 2 ALL_REDUCE", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE"]),
     ("tp 2 ALL_REDUCE async", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE", ASYNC]),
     ("tp 2 REDUCE_SCATTER", 2, "tp", ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"]),
@@ -105,13 +113,13 @@ def peer_model(kind: str, shape: dict, ckpt: str):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(LlamaForCausalLM(hf_config(shape)))
-    if kind == "fsdp":
+    if kind in ("fsdp", "fsdp_never"):
         from torch.distributed.fsdp import fully_shard
 
-        model = LlamaForCausalLM(hf_config(shape))
+        model, reshard = LlamaForCausalLM(hf_config(shape)), kind == "fsdp"
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return tp_peer(shape, ckpt, mesh)
 
 
@@ -144,7 +152,7 @@ def peer(kind: str, shape: dict, steps: int, ckpt: str) -> list[float]:
     # a mix of DTensors and tensors (AdamW, clip_grad_norm_), so that loop goes per tensor.
     foreach = kind != "tp"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=foreach)
-    dp = dist.get_world_size() if kind in ("ddp", "fsdp") else 1
+    dp = dist.get_world_size() if kind in ("ddp", "fsdp", "fsdp_never") else 1
     rank = dist.get_rank() if dp > 1 else 0
     gen, times, tokens = torch.Generator().manual_seed(0), [], shape["batch"] * shape["seq"]
     for _ in range(steps):
@@ -194,8 +202,8 @@ def worker(args) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     for label, kind, overrides in json.loads(args.tasks):
-        if kind == "ours":
-            times[label] = ours(shape, overrides, args.steps)
+        if kind in ("ours", "ours_x2"):  # x2: twice the global batch (world 1's work per rank at dp 2)
+            times[label] = ours({**shape, "batch": shape["batch"] * (1 + (kind == "ours_x2"))}, overrides, args.steps)
         else:
             times[label] = peer(kind, shape, args.steps, args.ckpt)
     if dist.get_rank() == 0:
@@ -309,22 +317,41 @@ def main() -> None:
     tokens = shape["batch"] * shape["seq"]
     print(f"shape {shape}; {tokens} tokens/step; median step after the first; {args.rounds} round(s)", flush=True)
     ckpt = make_checkpoint(shape)
+    results, scaled = train_rows(args, ckpt, tokens)
+    peers = {"plain": "transformers + AdamW", "ddp": "DDP loop", "fsdp": "FSDP2 loop", "tp": "transformers tp"}
+    peers["fsdp_never"] = "FSDP2 loop, no reshard"
+    for name, _, kind, _ in ROWS:
+        print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
+    world1 = statistics.median(results["world 1"][0])
+    for name, got in scaled.items():
+        eff = statistics.median(got) / (2 * world1)
+        print(f"{name}: parallel efficiency (global batch x2: tokens/s / 2 x world 1) {eff:.2f}", flush=True)
+    generate_rows(args, ckpt)
+
+
+def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
+    """{row: ([dtensor3d tok/s per round], [peer tok/s per round])} and, for the dp 2 rows,
+    {row: [dtensor3d tok/s at twice the global batch]} (world 1's work on each rank: what
+    parallel efficiency compares). Per job: each row's peer, then dtensor3d, in the same
+    processes."""
     results: dict[str, tuple[list, list]] = {name: ([], []) for name, *_ in ROWS}
-    for _ in range(args.rounds):  # per job: each row's peer, then dtensor3d, in the same processes
+    scaled: dict[str, list] = {name: [] for name, *_ in ROWS if name.startswith("dp 2")}
+    for _ in range(args.rounds):
         for ranks in (1, 2):
             rows = [r for r in ROWS if r[1] == ranks]
             tasks = [t for name, _, kind, o in rows for t in ([f"peer {name}", kind, []], [name, "ours", o])]
+            tasks += [[f"x2 {name}", "ours_x2", o] for name, _, _, o in rows if name in scaled]
             got = run_job(ranks, tasks, args, ckpt)
             for name, *_ in rows:
                 results[name][0].append(tokens / got[name])
                 results[name][1].append(tokens / got[f"peer {name}"])
-    peers = {"plain": "transformers + AdamW", "ddp": "DDP loop", "fsdp": "FSDP2 loop", "tp": "transformers tp"}
-    world1 = statistics.median(results["world 1"][0])
-    for name, _, kind, _ in ROWS:
-        print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
-    for name in ("dp 2 replicate", "dp 2 shard"):
-        eff = statistics.median(results[name][0]) / (2 * world1)
-        print(f"{name}: parallel efficiency (tokens/s / 2 x world 1) {eff:.2f}", flush=True)
+                if name in scaled:
+                    scaled[name].append(2 * tokens / got[f"x2 {name}"])
+    return results, scaled
+
+
+def generate_rows(args, ckpt: str) -> None:
+    """generate's tokens/s after start-up and a whole one-token process, against transformers'."""
     speeds, procs = ([], []), ([], [])
     for _ in range(args.rounds):
         for acc, got in ((speeds, generate_speeds(ckpt, 8 if args.quick else 64)), (procs, one_token_seconds(ckpt))):

@@ -321,7 +321,13 @@ def _validate_logging(recipe: Recipe) -> None:
 
 
 def _validate_hybrid(p: ParallelismConfig) -> None:
-    """dp_shard goes with dp_mode hybrid, and divides dp."""
+    """dp_shard goes with dp_mode hybrid, and divides dp; a pipeline stage keeps its
+    parameters gathered for the step (torch's schedules do), so `always` is not for pp."""
+    if p.pp_enabled and p.fsdp_reshard_after_forward == "always":
+        raise RecipeError(
+            "parallelism.fsdp_reshard_after_forward=always does not work with pp > 1 (a pipeline stage keeps "
+            "its parameters gathered for the step); valid: default or never"
+        )
     if p.dp_mode != "hybrid":
         if p.dp_shard:
             raise RecipeError(

@@ -46,6 +46,18 @@ class ParallelismConfig:
         "shard", "shard: FSDP2; replicate: DDP-style all-reduce; hybrid: HSDP (FSDP in groups of dp_shard)"
     )
     dp_shard: int = knob(0, "dp_mode hybrid: dp ranks per FSDP group (must divide dp); 0: unset")
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = knob(
+        "default",
+        "torchtitan's key: FSDP2 frees gathered parameters after each forward (always) or keeps them "
+        "gathered for the whole step (never: one all-gather per step, the full parameters in memory); "
+        "default: always, never for a pipeline stage",
+    )
+    fsdp_bucket_layers: int = knob(
+        1,
+        "decoder layers per FSDP2 unit (one all-gather and one reduce-scatter each): more layers, fewer and "
+        "larger collectives, more parameters gathered at once",
+        positive=True,
+    )
     pp_virtual_stages: int = knob(0, "stages per pipeline rank; 0: the schedule's own (2 for the multi-stage ones)")
     recompute: Literal["none", "full", "selective"] | None = knob(
         None, "activation recomputation; null: recompute_layer's (true: full, else none)"
@@ -117,9 +129,13 @@ class ParallelismConfig:
         return self.dp_mode == "replicate" and self.ep * self.dp_cp > 1
 
     @property
-    def fsdp_reshard_after_forward(self) -> bool:
-        """A pipeline stage keeps its parameters gathered between a microbatch's forward and backward."""
-        return not self.pp_enabled
+    def reshard_after_forward(self) -> bool:
+        """FSDP2 frees a unit's gathered parameters after each forward (and gathers them again
+        for the backward); else they stay gathered for the whole step (a pipeline stage by
+        default, any run with `fsdp_reshard_after_forward: never`)."""
+        if self.fsdp_reshard_after_forward == "default":
+            return not self.pp_enabled
+        return self.fsdp_reshard_after_forward == "always"
 
     @property
     def sequence_parallel(self) -> bool:

@@ -68,7 +68,8 @@ def group_dims(mesh) -> dict[str, str]:
 
 
 class CommCounter(TorchDispatchMode):
-    """bytes[dim][kind] handed to collectives while active (see the module docstring).
+    """bytes[dim][kind] handed to collectives while active (see the module docstring), and
+    calls[dim][kind], how many.
 
     For functional collectives (tp's) it also keeps, per dim and kind, how many were issued
     (`issued`), how many of those saw a matmul run between their issue and their wait
@@ -79,6 +80,7 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.group_dims, self.force = group_dims(mesh), None
         self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.issued: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.overlapped: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.wait_s: dict[str, float] = defaultdict(float)
@@ -133,6 +135,7 @@ class CommCounter(TorchDispatchMode):
         payload = next(values[n] for n in INPUTS if n in values)
         sent = 0 if name.startswith("recv") else sum(t.numel() * t.element_size() for t in tensors_in(payload))
         self.bytes[dim][kind] += sent
+        self.calls[dim][kind] += 1
         if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
             self.pending[id(out)] = [dim, kind, False]
 

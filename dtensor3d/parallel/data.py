@@ -25,26 +25,40 @@ from .expert import expert_params
 from .shards import local
 
 
-def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | None = None) -> nn.Module:
+def fsdp_policy(device_type: str, dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed-precision policy for training.dtype (pure; the one switch for CPU and
+    CUDA): bfloat16 gathers bf16 parameters and so computes in bf16 (the fp32 shards stay the
+    master weights), float32 casts nothing; gradients are reduced in fp32 either way. The
+    device does not change it (gloo and NCCL get the same policy); a device branch would
+    show here and in its test."""
+    del device_type  # no device-specific policy
+    param_dtype = torch.bfloat16 if dtype == "bfloat16" else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, mesh, parallelism, policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """fully_shard each MoE layer's experts over dp x cp (they are already split over ep),
-    each decoder block and then the root (embedding, final norm, head) over ep x dp x cp
-    (the dense parameters, which ep replicates).
+    the decoder blocks in units of `fsdp_bucket_layers` consecutive blocks, and then the root
+    (embedding, final norm, head) over ep x dp x cp (the dense parameters, which ep replicates).
 
     Args:
         model: this rank's model part, after tp / ep.
         mesh: the mesh from `build_mesh`.
-        parallelism: its `fsdp_reshard_after_forward` decides resharding: a pipeline stage
-            keeps its parameters gathered between the forward and backward of a microbatch.
-        param_dtype: the compute dtype of the gathered parameters (None: the stored dtype).
+        parallelism: its `reshard_after_forward` decides resharding (a pipeline stage, or
+            `fsdp_reshard_after_forward: never`, keeps its parameters gathered for the step).
+        policy: `fsdp_policy(device, training.dtype)` (None: fp32's, nothing cast).
     """
     dense_mesh, expert_mesh = fsdp_meshes(mesh, parallelism)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs = dict(reshard_after_forward=parallelism.fsdp_reshard_after_forward, mp_policy=mp)
-    for block in model.model.layers.values():
+    mp = policy or fsdp_policy(mesh.device_type, "float32")
+    kwargs = dict(reshard_after_forward=parallelism.reshard_after_forward, mp_policy=mp)
+    blocks, n = list(model.model.layers.values()), parallelism.fsdp_bucket_layers
+    for block in blocks:
         moe = getattr(block, "block_sparse_moe", None)
         if moe is not None:
             fully_shard(moe.experts, mesh=expert_mesh, **kwargs)
-        fully_shard(block, mesh=dense_mesh, **kwargs)
+    for start in range(0, len(blocks), n):
+        unit = blocks[start : start + n]
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=dense_mesh, **kwargs)
     fully_shard(model, mesh=dense_mesh, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -65,10 +79,13 @@ def fsdp_meshes(mesh, parallelism):
 
 def gradient_sync(model: nn.Module, parallelism, last_microbatch: bool) -> None:
     """Step time, before each microbatch: under FSDP, reduce-scatter gradients only in the
-    backward of the step's last microbatch (earlier ones accumulate unsharded). Pipeline
-    schedules do this themselves."""
+    backward of the step's last microbatch (earlier ones accumulate unsharded); parameters
+    not resharded after forward stay gathered until then too (one all-gather per step).
+    Pipeline schedules do this themselves."""
     if parallelism.fsdp_enabled:
         model.set_requires_gradient_sync(last_microbatch)
+        if not parallelism.reshard_after_forward:
+            model.set_reshard_after_backward(last_microbatch)
 
 
 def sync_replicated_grads(model: nn.Module, params: list[nn.Parameter], mesh, parallelism) -> None:

@@ -72,15 +72,21 @@ def param_layout(model: torch.nn.Module) -> dict[str, dict]:
 
 
 def write_layout(
-    model: torch.nn.Module, coords: dict[str, int], rank: int, run_dir: str, comm: dict | None = None
+    model: torch.nn.Module,
+    coords: dict[str, int],
+    rank: int,
+    run_dir: str,
+    comm: dict | None = None,
+    calls: dict | None = None,
 ) -> str:
     """<run_dir>/layout/rank<R>.json: this rank's coordinates, `param_layout` and (once
-    counted) the bytes it handed to collectives in one step, {dim: {kind: bytes}}
-    (parallel/comm.py). What `logging.layout: true` asks for; the tests check it against
-    each parallelism's plan and against `plan`'s estimate."""
+    counted) the bytes it handed to collectives in one step, {dim: {kind: bytes}}, and how
+    many it issued, {dim: {kind: calls}} (parallel/comm.py). What `logging.layout: true`
+    asks for; the tests check it against each parallelism's plan and against `plan`'s
+    estimate."""
     path = os.path.join(run_dir, "layout", f"rank{rank}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    record = {"rank": rank, "coords": coords, "params": param_layout(model), "comm_bytes": comm}
+    record = {"rank": rank, "coords": coords, "params": param_layout(model), "comm_bytes": comm, "comm_calls": calls}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
     return path

@@ -17,9 +17,14 @@ steady-state step, as our code issues them: an all-gather counts the rank's inpu
 reduce-scatter its whole input, an all-reduce the tensor, an all-to-all what it sends,
 send/recv what it sends. Shape: {dim: {kind: bytes, ..., "total": bytes}} with dims tp, dp
 (FSDP / replicate over the flattened ep x dp x cp and dp x cp groups), pp, cp, ep and world
-(the step's one stats all-reduce), kinds as in KINDS. Expert all-to-all sizes depend on the
-routing; the count is the expected value under uniform routing (the dispatch forward and
-the return's backward are exact; the return forward and the dispatch backward are expected).
+(the step's one stats all-reduce), kinds as in KINDS. Widths as they go over the wire: under
+bf16 autocast a matmul's output and its gradient are bf16 and the rest fp32; where FSDP2
+gathers bf16 parameters every activation is bf16 (params.Sizes.act); gradients are reduced
+in fp32. Recompute runs a layer's forward collectives again (`collectives.replays`: under
+zbv / dualpipev with full recompute once per weight group in each split weight backward).
+Expert all-to-all sizes depend on the routing; the count is the expected value under uniform
+routing (the dispatch forward and the return's backward are exact; the return forward and
+the dispatch backward are expected).
 tests/dist_scripts/comm_bytes.py measures the same quantity by intercepting collectives.
 
 Activation memory is a model, not an exact count: the tensors autograd keeps per decoder
@@ -45,20 +50,22 @@ from .shapes import flops_per_token
 
 def _fsdp_working_bytes(recipe, numels: dict[str, tuple[int, int]]) -> int:
     """Gathered parameters and unsharded gradients FSDP holds at the peak (the backward).
-    pp: the whole stage stays gathered for the step, with its unsharded gradients. Otherwise
-    the root (gathered through the whole backward) and two blocks (the current one and the
-    prefetched one); gradients of every unit accumulate unsharded over the microbatches
-    before the last, else only the root's and the current block's."""
+    Not resharded after forward (pp, or fsdp_reshard_after_forward never): the whole stage
+    stays gathered for the step, with its unsharded gradients. Otherwise
+    the root (gathered through the whole backward) and two units of `fsdp_bucket_layers`
+    blocks (the current one and the prefetched one); gradients of every unit accumulate
+    unsharded over the microbatches before the last, else only the root's and the current
+    unit's."""
     p = recipe.parallelism
     if not p.fsdp_enabled:
         return 0
     whole = {name: gathered - held for name, (held, gathered) in numels.items()}
-    if p.pp_enabled:
+    if not p.reshard_after_forward:
         return 2 * FP32 * sum(whole.values())
-    root = whole.pop("root", 0)
+    root, n = whole.pop("root", 0), p.fsdp_bucket_layers
     blocks = sorted(whole.values(), reverse=True)
-    grads = sum(blocks) if recipe.num_microbatches > 1 else sum(blocks[:1])
-    return FP32 * (2 * root + sum(blocks[:2]) + grads)
+    grads = sum(blocks) if recipe.num_microbatches > 1 else sum(blocks[:n])
+    return FP32 * (2 * root + sum(blocks[: 2 * n]) + grads)
 
 
 def stage_estimate(recipe, part: Part, units: dict[str, dict]) -> dict:

@@ -101,6 +101,12 @@ CASES = [
     ),
     Case("layers-fewer-than-pp", ("num_hidden_layers=1", "pp=2"), edit={"model.num_hidden_layers": 1}),
     Case("pp-layers-bad-sum", ("pp_layers", "[1, 1]"), edit={"parallelism.pp_layers": [1, 1]}),
+    # 3d.yaml has pp 2: a stage keeps its parameters gathered for the step.
+    Case(
+        "fsdp-reshard-always-pp",
+        ("fsdp_reshard_after_forward=always", "pp > 1", "default or never"),
+        edit={"parallelism.fsdp_reshard_after_forward": "always"},
+    ),
     Case("ep-without-experts", ("ep=2", "num_local_experts=0"), edit={"parallelism.expert_parallel_size": 2}),
     Case("experts-negative", ("num_local_experts", "-1"), edit={"model.num_local_experts": -1}),
     Case("rms-eps-negative", ("rms_norm_eps", "-1"), edit={"model.rms_norm_eps": -1.0}),

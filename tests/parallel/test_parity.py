@@ -53,10 +53,14 @@ CONFIGS = {
     # Context parallelism at 4, by nanotron's key (context_parallel_size, cp's alias).
     "cp4": ["parallelism.context_parallel_size=4"],
     # tp_linear_async_communication under sequence parallelism at dp 2 x tp 2 (ALL_REDUCE:
-    # the 3d recipe's run below; tp 2 alone, both modes: test_async_tp).
+    # the 3d recipe's run below; tp 2 alone, both modes: test_async_tp); FSDP2 keeps the
+    # parameters gathered for the step (fsdp_reshard_after_forward never: one all-gather
+    # per step over the two microbatches, which check_comm counts) in units of two blocks.
     "dp2_tp2_sp_async": [
         *("parallelism.dp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
         "parallelism.tp_linear_async_communication=true",
+        "parallelism.fsdp_reshard_after_forward=never",
+        "parallelism.fsdp_bucket_layers=2",
     ],
     # Uneven stages (README: pp_layers, e.g. [3, 1]): layers 0-2 on stage 0, layer 3 on stage 1.
     "pp2_uneven_layers": ["parallelism.pp=2", "parallelism.pp_layers=[3, 1]"],
@@ -82,6 +86,8 @@ SHARED = {
     "tp2_pp2_tied_embeddings": SAVES_AT_3_AND_6,
     "dp2_tp2_tied_embeddings": SAVES_AT_3_AND_6,
 }
+# FSDP2 units of the runs that group blocks: the root and the 4 blocks in pairs.
+FSDP_UNITS = {"dp2_tp2_sp_async": 3}
 LONG = {"dp2_tp2_pp2"}  # keeps the recipe's 10 steps (its checkpoints at 5 and 10)
 assert CONFIGS["dp2_tp2_pp2"] == MESH_822
 
@@ -97,6 +103,10 @@ def test_parity(name, reference, shared_run, record_property):
     check_comm(root / "run", load_recipe(PARITY, overrides))
     for key, rel in assert_parity(got, reference(overrides), scheduled_lrs(PARITY, overrides)).items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
+    if name in FSDP_UNITS:  # one all-gather and one reduce-scatter per FSDP2 unit in the step
+        for f in (root / "run" / "layout").glob("rank*.json"):
+            calls = json.loads(f.read_text())["comm_calls"]["dp"]
+            assert calls == {"all_gather": FSDP_UNITS[name], "reduce_scatter": FSDP_UNITS[name]}, (f.name, calls)
     # The run learned something: the loss falls over the steps.
     assert got[-1]["loss"] < got[0]["loss"]
 

@@ -13,6 +13,8 @@ ROWS = (
     "world 1",
     "dp 2 replicate",
     "dp 2 shard",
+    "dp 2 shard, reshard never",
+    "dp 2 shard, never, bucket 4",
     "tp 2 ALL_REDUCE",
     "tp 2 ALL_REDUCE async",
     "tp 2 REDUCE_SCATTER",
@@ -34,4 +36,5 @@ def test_peers_quick_prints_every_row():
         m = re.search(pattern, proc.stdout, re.M)
         assert m, (row, proc.stdout)
         assert all(float(g.replace(",", "")) > 0 for g in m.groups()), m.group(0)
-    assert re.search(r"dp 2 shard: parallel efficiency .* \d\.\d\d", proc.stdout), proc.stdout
+    for row in (r for r in ROWS if r.startswith("dp 2")):
+        assert re.search(rf"^{re.escape(row)}: parallel efficiency .* \d\.\d\d$", proc.stdout, re.M), proc.stdout

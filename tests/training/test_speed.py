@@ -20,7 +20,7 @@ from dtensor3d.mesh import build_mesh, init_distributed
 from dtensor3d.models import build_on_meta, materialize
 from dtensor3d.models.layers import ModelHooks
 from dtensor3d.parallel.compile import CompileError, apply_compile
-from dtensor3d.parallel.data import apply_fsdp
+from dtensor3d.parallel.data import apply_fsdp, fsdp_policy
 from dtensor3d.parallel.shards import init_weights, local
 from dtensor3d.parallel.tensor import apply_tp
 from dtensor3d.plan.activations import kept_bytes
@@ -90,10 +90,11 @@ def one_rank(monkeypatch):
     dist.destroy_process_group()
 
 
-def fsdp_step(mesh, param_dtype) -> dict:
-    """One FSDP2 forward/backward/AdamW step of the parity model; what each tensor's dtype was."""
+def fsdp_step(mesh, dtype: str) -> dict:
+    """One FSDP2 forward/backward/AdamW step of the parity model under the policy the
+    trainer builds for training.dtype on this device; what each tensor's dtype was."""
     model = build_on_meta(RECIPE.model)
-    apply_fsdp(model, mesh, ParallelismConfig(), param_dtype=param_dtype)
+    apply_fsdp(model, mesh, ParallelismConfig(), fsdp_policy(mesh.device_type, dtype))
     materialize(model, "cpu")
     init_weights(model, 7)
     seen = []
@@ -120,7 +121,7 @@ def test_bf16_the_fsdp2_way(one_rank, record_property):
     """training.dtype bfloat16 under FSDP2: bf16 gathered weights and activations, fp32 master
     weights, fp32 gradients reduced in fp32, fp32 AdamW state; activations kept for backward
     take about half the bytes."""
-    fp32, bf16 = fsdp_step(one_rank, None), fsdp_step(one_rank, torch.bfloat16)
+    fp32, bf16 = fsdp_step(one_rank, "float32"), fsdp_step(one_rank, "bfloat16")
     assert fp32["compute"] == (torch.float32, torch.float32)
     assert bf16["compute"] == (torch.bfloat16, torch.bfloat16)
     for r in (fp32, bf16):
