@@ -4,9 +4,11 @@ against what parallel/comm.py counts on real runs. Pure Python."""
 
 from __future__ import annotations
 
+from ..config.schema import V_SCHEDULES
 from .memory import _moe_layers
 from .params import FP32, KINDS, Part, param_table, rank_parts, shard_numel, sizes, stage_units, unit_numels
-from .schedule_model import sends_per_microbatch
+from .schedule_model import sends_per_microbatch, weight_passes
+from .shapes import weight_groups
 
 # -- communication -----------------------------------------------------------------------
 
@@ -23,8 +25,8 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     sums (2E + 1 floats) forward and backward, and under ALL_REDUCE all-gathers its outputs
     forward and its input's gradient backward (ceil(tokens / tp) rows each)."""
     p, z = recipe.parallelism, sizes(recipe)
-    full_c, full_f = z.tokens * z.hidden * z.compute, z.tokens * z.hidden * FP32
-    part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * FP32
+    full_c, full_f = z.tokens * z.hidden * z.compute, z.tokens * z.hidden * z.act
+    part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * z.act
     blocks = 1 if moe else 2  # attention, and the dense feed-forward (experts are replicated over tp)
     if not p.sequence_parallel:
         # Rowwise outputs are all-reduced forward; each colwise input's gradient backward
@@ -52,19 +54,41 @@ def _mla_backward(recipe, bwd: dict) -> dict:
     q_proj's whole input; kv_b_proj's latent) and of the shared RoPE key
     (parallel/tensor.py SharedKeyGradient)."""
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
-    q_in = m.q_lora_rank * z.compute if m.q_lora_rank else z.hidden * FP32
+    q_in = m.q_lora_rank * z.compute if m.q_lora_rank else z.hidden * z.act
     ar = z.tokens * (q_in + (m.kv_lora_rank + m.qk_rope_head_dim) * z.compute)
-    full_f = z.tokens * z.hidden * FP32
+    full_f = z.tokens * z.hidden * z.act
     if p.sequence_parallel:
         return {**bwd, "reduce_scatter": bwd["reduce_scatter"] - full_f, "all_reduce": bwd.get("all_reduce", 0) + ar}
     return {**bwd, "all_reduce": bwd["all_reduce"] - 3 * full_f + ar}
 
 
-def replays_forward(recipe) -> bool:
-    """Whether backward runs each layer's forward collectives again: under full recompute,
-    and under selective too (its policy keeps only matmul outputs; the gathered inputs those
-    matmuls' backward reads are recomputed, collectives included -- counted on tp2 sp x cp2)."""
-    return recipe.parallelism.recompute in ("full", "selective")
+def replays(recipe, stage: int, layer: int) -> int:
+    """Per step: how many times backward runs the forward collectives of decoder layer
+    `layer` (on global pipeline stage `stage`) again. None without recompute; once per
+    microbatch under full, and under selective too (its policy keeps only matmul outputs; the
+    gathered inputs those matmuls' backward reads are recomputed, collectives included --
+    counted on tp2 sp x cp2). Under zbv and dualpipev with full recompute, on every stage but
+    the first, also once per weight group of the layer (shapes.weight_groups) in each weight
+    backward W (schedule_model.weight_passes): torch computes W with one autograd.grad per
+    parameter group, each a new graph task, and torch.utils.checkpoint recomputes the layer
+    for every graph task that reads its saved tensors (memory.weight_pass_bytes counts the
+    copies). The first stage's input needs no gradient: torch runs its backward whole.
+    Measured on tp2 sp x pp2 with 8 microbatches: a parity layer (9 weight groups) on stage
+    1 replays 8 + 8 x 9 times under zbv, 8 + 1 x 9 under dualpipev."""
+    p, m = recipe.parallelism, recipe.num_microbatches
+    if p.recompute == "none":
+        return 0
+    if p.recompute != "full" or not p.pp_enabled or p.pp_engine not in V_SCHEDULES or stage == 0:
+        return m
+    return m + weight_passes(p, m, stage) * weight_groups(recipe.model, layer)
+
+
+def _layer_runs(recipe, part: Part):
+    """(is an MoE layer, replays per step) for each decoder layer of this pp rank."""
+    m = recipe.model
+    for stage, layers in zip(part.stages, part.stage_layers):
+        for i in layers:
+            yield bool(m.num_local_experts) and m.is_moe_layer(i), replays(recipe, stage, i)
 
 
 def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
@@ -92,22 +116,21 @@ def _add(total: dict, part: dict, times: int = 1) -> None:
 
 def tp_bytes(recipe, part: Part) -> dict[str, int]:
     """Per step: DTensor collectives of the tp plan (parallel/tensor.py), per microbatch:
-    each layer's (and, with recompute full or selective, its forward's again), the embedding's, the head's
-    and loss_parallel's three all-reduces over the tokens (max, sum of exp, target logit);
-    per step under sequence parallelism, the all-reduce of the norm weights' gradients
+    each layer's, the embedding's, the head's and loss_parallel's three fp32 all-reduces over
+    the tokens (max, sum of exp, target logit); matmul outputs at the compute width, other
+    activations at `Sizes.act`; a layer's forward again as often as `replays` says; per step
+    under sequence parallelism, the all-reduce of the norm weights' gradients
     (`match_grad_placements`), and with per-head q/k norms (Qwen3) theirs at either tp mode."""
     p, z = recipe.parallelism, sizes(recipe)
     if not p.tp_enabled:
         return _kinds()
-    layers, per_micro = part.layers, {}
-    n_moe = _moe_layers(recipe, layers)
-    for moe, count in ((True, n_moe), (False, len(layers) - n_moe)):
+    layers, per_micro, per_step = part.layers, {}, {}
+    for moe, again in _layer_runs(recipe, part):
         fwd, bwd = _tp_layer(recipe, moe)
-        _add(per_micro, fwd, count)
-        _add(per_micro, bwd, count)
-        if replays_forward(recipe):
-            _add(per_micro, _tp_replay(recipe, fwd, moe), count)
-    full_f, part_f = z.tokens * z.hidden * FP32, z.seq_tokens * z.hidden * FP32
+        _add(per_micro, fwd)
+        _add(per_micro, bwd)
+        _add(per_step, _tp_replay(recipe, fwd, moe), again)
+    full_f, part_f = z.tokens * z.hidden * z.act, z.seq_tokens * z.hidden * z.act
     if part.first:  # vocab-parallel embedding: its partial output is reduced
         _add(
             per_micro,
@@ -119,7 +142,7 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
             {"all_gather": part_f, "reduce_scatter": full_f} if p.sequence_parallel else {"all_reduce": full_f},
         )
         _add(per_micro, {"all_reduce": 3 * z.tokens * FP32})
-    per_step = {k: n * recipe.num_microbatches for k, n in per_micro.items()}
+    _add(per_step, per_micro, recipe.num_microbatches)
     if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
         norms = 2 * len(layers) + part.last
         _add(per_step, {"all_reduce": norms * z.hidden * FP32})
@@ -167,44 +190,47 @@ def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
 
 
 def pp_bytes(recipe, part: Part) -> dict[str, int]:
-    """Per step: each microbatch's fp32 residual stream sent from each of the rank's stages
-    to the next stage and its gradient to the previous one, where that stage is on another
-    rank (schedule_model.sends_per_microbatch)."""
+    """Per step: each microbatch's residual stream (fp32; bf16 where FSDP2 gathers bf16
+    parameters: `Sizes.act`) sent from each of the rank's stages to the next stage and its
+    gradient to the previous one, where that stage is on another rank
+    (schedule_model.sends_per_microbatch)."""
     z = sizes(recipe)
     sends = sends_per_microbatch(recipe.parallelism, part.rank)
-    return _kinds(send_recv=sends * recipe.num_microbatches * z.seq_tokens * z.hidden * FP32)
+    return _kinds(send_recv=sends * recipe.num_microbatches * z.seq_tokens * z.hidden * z.act)
 
 
-def cp_bytes(recipe, layers: list[int], backend: str) -> dict[str, int]:
-    """Per step: each attention all-gathers its k and v (again under recompute), and with
-    data.document_masking its tokens' int64 document ids; backward reduce-scatters the k, v
-    gradients (gloo: all-reduces them). MoE layers all-reduce their routing sums (2E + 1
-    floats) forward and backward."""
+def cp_bytes(recipe, part: Part, backend: str) -> dict[str, int]:
+    """Per step: each attention all-gathers its k and v (again as often as `replays` says),
+    and with data.document_masking its tokens' int64 document ids; backward reduce-scatters
+    the k, v gradients (gloo: all-reduces them). MoE layers all-reduce their routing sums
+    (2E + 1 floats) forward (and in each replay) and backward."""
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
     if not p.cp_enabled:
         return _kinds()
-    forwards = 2 if replays_forward(recipe) else 1
     kv = z.tokens * z.kv_pair * z.compute + (z.tokens * 8 if recipe.data.document_masking else 0)
     grads = z.kv_tokens * z.kv_pair * z.compute
-    stats = (2 * m.num_local_experts + 1) * FP32 * _moe_layers(recipe, layers) * (forwards + 1)
+    stats = (2 * m.num_local_experts + 1) * FP32
     bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"
-    per_micro = {"all_gather": forwards * kv * len(layers), bwd_kind: grads * len(layers)}
-    per_micro["all_reduce"] = per_micro.get("all_reduce", 0) + stats
-    return _kinds(**{k: n * recipe.num_microbatches for k, n in per_micro.items()})
+    mb, per_step = recipe.num_microbatches, {"all_gather": 0, bwd_kind: 0, "all_reduce": 0}
+    for moe, again in _layer_runs(recipe, part):
+        per_step["all_gather"] += (mb + again) * kv
+        per_step[bwd_kind] += mb * grads
+        per_step["all_reduce"] += (2 * mb + again) * stats * moe
+    return _kinds(**per_step)
 
 
-def ep_bytes(recipe, layers: list[int]) -> dict[str, int]:
-    """Per step, expected under uniform routing: per MoE layer and forward the int64 token
-    counts (E), the routed tokens out (fp32) and back (compute dtype); backward the same
-    two ways for the gradients."""
+def ep_bytes(recipe, part: Part) -> dict[str, int]:
+    """Per step, expected under uniform routing: per MoE layer and forward (and each replay,
+    `replays`) the int64 token counts (E), the routed tokens out (`Sizes.act`) and back
+    (compute dtype); backward the same two ways for the gradients."""
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
     if not p.ep_enabled:
         return _kinds()
-    forwards = 2 if replays_forward(recipe) else 1
     rows = z.tokens * m.num_experts_per_tok * z.hidden
-    fwd = m.num_local_experts * 8 + rows * (FP32 + z.compute)
-    bwd = rows * (z.compute + FP32)
-    return _kinds(all_to_all=(forwards * fwd + bwd) * _moe_layers(recipe, layers) * recipe.num_microbatches)
+    fwd = m.num_local_experts * 8 + rows * (z.act + z.compute)
+    bwd = rows * (z.compute + z.act)
+    mb = recipe.num_microbatches
+    return _kinds(all_to_all=sum(((mb + again) * fwd + mb * bwd) * moe for moe, again in _layer_runs(recipe, part)))
 
 
 def tied_bytes(recipe, part: Part, units: dict[str, dict]) -> dict[str, int]:
@@ -242,8 +268,8 @@ def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, i
                 "tp": tp_bytes(recipe, part),
                 "dp": dp_bytes(recipe, units),
                 "pp": _sum(pp_bytes(recipe, part), tied_bytes(recipe, part, units)),
-                "cp": cp_bytes(recipe, part.layers, backend),
-                "ep": ep_bytes(recipe, part.layers),
+                "cp": cp_bytes(recipe, part, backend),
+                "ep": ep_bytes(recipe, part),
                 "world": world_bytes(recipe),
             }
         )

@@ -17,9 +17,14 @@ steady-state step, as our code issues them: an all-gather counts the rank's inpu
 reduce-scatter its whole input, an all-reduce the tensor, an all-to-all what it sends,
 send/recv what it sends. Shape: {dim: {kind: bytes, ..., "total": bytes}} with dims tp, dp
 (FSDP / replicate over the flattened ep x dp x cp and dp x cp groups), pp, cp, ep and world
-(the step's one stats all-reduce), kinds as in KINDS. Expert all-to-all sizes depend on the
-routing; the count is the expected value under uniform routing (the dispatch forward and
-the return's backward are exact; the return forward and the dispatch backward are expected).
+(the step's one stats all-reduce), kinds as in KINDS. Widths as they go over the wire: under
+bf16 autocast a matmul's output and its gradient are bf16 and the rest fp32; where FSDP2
+gathers bf16 parameters every activation is bf16 (params.Sizes.act); gradients are reduced
+in fp32. Recompute runs a layer's forward collectives again (`collectives.replays`: under
+zbv / dualpipev with full recompute once per weight group in each split weight backward).
+Expert all-to-all sizes depend on the routing; the count is the expected value under uniform
+routing (the dispatch forward and the return's backward are exact; the return forward and
+the dispatch backward are expected).
 tests/dist_scripts/comm_bytes.py measures the same quantity by intercepting collectives.
 
 Activation memory is a model, not an exact count: the tensors autograd keeps per decoder

@@ -150,6 +150,11 @@ class Sizes:
     vocab: int  # local vocabulary (the head's logits)
     heads: int  # local query heads
     compute: int  # bytes of a matmul output: 2 under bf16 autocast, 4 in fp32
+    # Bytes of any other activation (the residual stream, a norm's output, their gradients):
+    # 4 in fp32 and under bf16 autocast (it casts only the matmuls' inputs); 2 where bf16
+    # training gathers bf16 parameters (FSDP2's MixedPrecisionPolicy, no autocast: every
+    # activation from the embedding on is bf16).
+    act: int
 
 
 def sizes(recipe) -> Sizes:
@@ -172,4 +177,5 @@ def sizes(recipe) -> Sizes:
         vocab=m.vocab_size // p.tp,
         heads=heads,
         compute=2 if t.dtype == "bfloat16" else FP32,
+        act=2 if t.dtype == "bfloat16" and p.fsdp_enabled else FP32,
     )

@@ -57,6 +57,21 @@ def sends_per_microbatch(parallelism, pp_rank: int) -> int:
     return sends
 
 
+def weight_passes(parallelism, m: int, stage: int) -> int:
+    """How many of a global stage's m microbatch backwards torch's order splits into a
+    backward to the input (I) and a separate one to the weights (W): zbv every one;
+    dualpipev only those outside its overlapped F+B steady state (whole backwards there), on
+    pp rank r pp - ceil(r / 2) for its first stage (r) and pp - 1 - floor(r / 2) for its
+    second (2 pp - 1 - r), whatever m (>= 2 pp); the other schedules none."""
+    p = parallelism
+    if not p.pp_enabled or p.pp_engine not in V_SCHEDULES:
+        return 0
+    if p.pp_engine == "zbv":
+        return m
+    r = stage_rank(p, stage)
+    return p.pp - (r + 1) // 2 if stage < p.pp else p.pp - 1 - r // 2
+
+
 def in_flight(parallelism, m: int, pp_rank: int) -> int:
     """The most microbatch-stages whose forward has run and whose backward (its weight part,
     W, under the zero-bubble schedules: torch keeps the graph until then) has not, on this

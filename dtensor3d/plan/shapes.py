@@ -95,6 +95,16 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def weight_groups(cfg, index: int) -> int:
+    """The parameter groups of decoder layer `index` whose gradient reads a tensor its forward
+    saved (torch.distributed.pipelining's split backward computes one group per autograd.grad,
+    pipelining/_backward.py: each weight meets the activations at its own op): every
+    parameter tensor but the biases (a bias's gradient sums the output's, reading nothing
+    saved) and the router's correction bias (no gradient)."""
+    names = _layer_shapes(cfg, index)
+    return sum(1 for name in names if not name.endswith("bias"))
+
+
 def layer_of(name: str) -> int | None:
     """The global decoder layer index of a parameter name (None: embedding, final norm, head)."""
     parts = name.split(".")

@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 import pytest
 from helpers import (
+    COMPILE_TOL,
     DEEPSEEK,
     MOE,
     PARITY,
@@ -43,7 +44,6 @@ from dtensor3d.errors import RecipeError
 
 SEED = 0  # the covering array's seed (a different seed: another array, as good)
 RUNS = covering(SEED)
-COMPILE_TOL = 1e-4  # torch.compile against eager (tests/training/test_speed.py)
 # bf16 against the 1-process bf16 run: both round to 8 mantissa bits, in other orders and at
 # other points (FSDP2's cast of the gathered weights vs autocast's of each matmul's inputs).
 # The bars of tests/models/test_reference.py's two bf16 implementations; measured here:
@@ -131,19 +131,4 @@ def test_matrix_parity(run, reference, documents, tmp_path, record_property):
         assert [g["tokens_per_expert"] for g in got] == [r["tokens_per_expert"] for r in ref]
     print(f"{name(run)}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     assert got[-1]["loss"] < got[0]["loss"]  # and it learned
-    try:
-        check_comm(tmp_path, recipe)  # and hands each collective the bytes plan's estimate gives
-    except AssertionError:
-        if fault := known_plan_fault(run):
-            pytest.xfail(f"training parity holds; plan's byte estimate is known wrong here: {fault}")
-        raise
-
-
-def known_plan_fault(run: dict[str, str]) -> str | None:
-    """The combinations where plan's collective-byte estimate is known not to match (found by
-    this matrix; open bugs in plan/, not in training): the test checks parity, then xfails."""
-    if run["dtype"] == "bfloat16" and (run["pp"] != "1" or run["tp"] != "1"):
-        return "bf16 pipeline sends and tp activation collectives (counted at fp32 width)"
-    if run["pp"] in ("zbv", "dualpipev") and run["recompute"] == "full" and run["tp"] != "1":
-        return "tp collectives replayed by full recompute under the V schedules"
-    return None
+    check_comm(tmp_path, recipe)  # and hands each collective the bytes plan's estimate gives

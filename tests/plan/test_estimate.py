@@ -320,6 +320,23 @@ def test_split_backward_states_match_torch_orders():
     assert checked > 50
 
 
+def test_weight_passes_match_torch_orders():
+    """schedule_model.weight_passes: per global stage, the BACKWARD_WEIGHT actions of torch's
+    order (zbv, dualpipev; what plan's replay count under full recompute multiplies)."""
+    from dtensor3d.plan.schedule_model import weight_passes
+
+    checked = 0
+    for p, m in schedule_cases():
+        for acts in torch_order(p, m).values():
+            for s in {a.stage_index for a in compute_actions(acts)}:
+                w = sum(
+                    a.computation_type.name == "BACKWARD_WEIGHT" and a.stage_index == s for a in compute_actions(acts)
+                )
+                assert weight_passes(p, m, s) == w, (p.pp_engine, p.pp, m, s)
+                checked += 1
+    assert checked > 300
+
+
 def test_zbv_weight_backward_holds_a_recomputation_per_parameter():
     """pp 2 zbv, recompute full, 8 microbatches; rank 1 holds stages 1 and 2 (one layer each).
     Before its I a microbatch-stage keeps the layer input and the stage output (2 x 8,192 B);
