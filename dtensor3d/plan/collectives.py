@@ -41,7 +41,7 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
         fwd["all_reduce"] = fwd.get("all_reduce", 0) + stats
         bwd["all_reduce"] = bwd.get("all_reduce", 0) + stats
         if not p.sequence_parallel:
-            rows = -(-z.tokens // p.tp) * z.hidden * z.compute
+            rows = -(-z.tokens // p.tp) * z.hidden * z.act  # in x's dtype (fp32 under autocast)
             fwd["all_gather"], bwd["all_gather"] = rows, rows
     return fwd, _mla_backward(recipe, bwd) if recipe.model.mla else bwd
 
