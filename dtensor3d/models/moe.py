@@ -110,9 +110,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, h] -> (scores [T, E] fp32, weights [T, k] fp32, chosen experts [T, k])."""
-        with torch.autocast(x.device.type, enabled=False):  # fp32 under bf16 autocast too (it would cast the linear)
-            logits = F.linear(x.float(), self.weight.float())
-            scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
         choice = scores
         if hasattr(self, "e_score_correction_bias"):
             choice = scores + self.e_score_correction_bias.float()
