@@ -177,17 +177,17 @@ def memory_table() -> list[str]:
     return lines
 
 
-def report(name: str, r: dict, recipe, args) -> str:
-    from dtensor3d.training.metrics import flops_per_token, peak_flops
+def report(name: str, r: dict, recipe, device: str, peak: float | None) -> str:
+    """One variant's line; on CUDA with MFU against `peak` FLOP/s per device (metrics.peak_flops)."""
+    from dtensor3d.training.metrics import flops_per_token, mfu
 
     tokens = recipe.training.global_batch_size * recipe.training.sequence_length
     tps = tokens / r["step_s"]
     line = f"{name:22s} {tps:10,.0f} tok/s  {1000 * r['step_s']:8.0f} ms/step"
-    peak = peak_flops(torch.device(args.device)) if args.device == "cuda" else None
-    if peak:
-        flops = tps * flops_per_token(recipe.model, recipe.training.sequence_length)
-        mfu = flops / (peak * recipe.parallelism.world_size)
-        line += f"  MFU {100 * mfu:5.1f}%"
+    if device == "cuda":
+        flops = flops_per_token(recipe.model, recipe.training.sequence_length)
+        used = mfu(tps, flops, peak, recipe.parallelism.world_size)
+        line += f"  MFU {100 * used:5.1f}%" if used is not None else "  MFU n/a (GPU not in plan's peak table)"
     if recipe.parallelism.pp_enabled:
         idle = ", ".join(f"{1 - b:.2f}" for b in r["busy"])
         line += f"  idle per rank {idle} (bubble formula {bubble(recipe):.2f})"
@@ -209,12 +209,15 @@ def main() -> None:
         return worker(args.overrides, args.steps, args.device, args.out)
     t = BENCH["training"]
     tokens, results = t["global_batch_size"] * t["sequence_length"], {}
+    from dtensor3d.training.metrics import peak_flops
+
+    peak = peak_flops(torch.device(args.device))  # None on CPU
     print(f"model {BENCH['model']}, {tokens} tokens/step (pp4: 8 layers, 2x tokens), median of steps 3..{args.steps}")
     for name, (ranks, overrides) in VARIANTS.items():
         if args.only and name not in args.only:
             continue
         results[name] = run_variant(name, ranks, overrides, args)
-        print(report(name, results[name], bench_recipe(overrides, args.device), args), flush=True)
+        print(report(name, results[name], bench_recipe(overrides, args.device), args.device, peak), flush=True)
     if not args.only:
         print("\n".join(memory_table()), flush=True)
     hf = hf_reference(args)

@@ -90,6 +90,8 @@ QUICK_FILES = {
     "test_init.py",
     "test_matrix.py",
     "test_async_tp.py",
+    "test_device_switches.py",
+    "test_mfu.py",
     "test_documents.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
@@ -114,6 +116,7 @@ SLOW_IN_QUICK_FILES = {
     "test_matrix_parity",
     "test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages",
     "test_async_tp_matches_the_key_off_and_overlaps",
+    "test_async_tp_compiled_at_dp2_tp2",
     "test_document_masking_parity_across_meshes",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run

@@ -54,6 +54,7 @@ DIST_ENV = (
     "PYTHON",
 )
 TOL = 1e-5  # the parity bar: relative difference per step
+COMPILE_TOL = 1e-4  # torch.compile against eager (inductor's fused kernels round differently)
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600, fresh: bool = False) -> subprocess.CompletedProcess:
@@ -352,6 +353,8 @@ def check_comm(run_dir: Path, recipe) -> None:
         rank = json.loads(f.read_text())
         got, want = rank["comm_bytes"], _expected_comm(recipe, rank["coords"]["pp"])
         assert got is not None, f"{f.name}: no step-2 collective count"
+        # A rank whose stages hold no layer with experts (moe_layers, pp) routes nothing.
+        routes = want.get("ep", {}).get("all_to_all", 0) > 0
         merged: dict[str, dict[str, int]] = {}
         for dims in got:
             for d in dims.split("+"):
@@ -359,7 +362,7 @@ def check_comm(run_dir: Path, recipe) -> None:
                     merged.setdefault(dims, {}).setdefault(kind, 0)
                     merged[dims][kind] += n
         assert not any(want.values()), (f.name, "estimated but not measured", want)
-        if recipe.parallelism.ep > 1:
+        if routes:
             routed = [dims for dims in got if "ep" in dims.split("+")]
             assert routed and all(got[d].pop("all_to_all", 0) > 0 for d in routed), (f.name, got)
             for d in routed:
@@ -392,6 +395,7 @@ def prepare_words(root: Path, name: str, documents: int, seed: int, val_fraction
 
 
 # The tiny Hugging Face Llama the interop tests build (Mixtral adds its expert fields to it).
+# rope_theta is not 10000, the value a mapping that lost it would fall back to.
 TINY_HF_LLAMA = dict(
     vocab_size=256,
     hidden_size=64,
@@ -401,7 +405,7 @@ TINY_HF_LLAMA = dict(
     num_key_value_heads=4,
     max_position_embeddings=64,
     rms_norm_eps=1e-5,
-    rope_theta=10000.0,
+    rope_theta=271828.0,
     tie_word_embeddings=False,
 )
 

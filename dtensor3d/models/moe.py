@@ -43,13 +43,23 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: 
     )
 
 
+# The dtype each backend's grouped kernel is used for (CUDA: bf16, as on Hopper-class GPUs;
+# CPU: fp32, seen here). Any other device or dtype takes the loop over the experts.
+GROUPED_MM_DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}
+
+
+def use_grouped_mm(device_type: str, dtype: torch.dtype, row_bytes: tuple[int, ...]) -> bool:
+    """The experts' switch (pure): one grouped matmul where the installed torch has one, the
+    device's kernel takes the dtype and every row of the weights is 16-byte aligned as it
+    requires; else the loop over the experts. `row_bytes`: the bytes of a row of each weight dim."""
+    aligned = all(n % 16 == 0 for n in row_bytes)
+    return hasattr(torch, "_grouped_mm") and aligned and dtype == GROUPED_MM_DTYPES.get(device_type)
+
+
 def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """One grouped matmul where the installed torch has one for this device and dtype, and
-    the rows are 16-byte aligned as it requires; else a loop over the experts."""
-    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])
-    # The dtypes each backend's kernel takes (CUDA: bf16 on Hopper-class GPUs; CPU: fp32 seen here).
-    wanted = torch.bfloat16 if x.device.type == "cuda" else torch.float32
-    return hasattr(torch, "_grouped_mm") and aligned and x.dtype == w.dtype == wanted
+    """`use_grouped_mm` for these tensors (the same dtype for both)."""
+    rows = tuple(n * x.element_size() for n in w.shape[1:])
+    return x.dtype == w.dtype and use_grouped_mm(x.device.type, x.dtype, rows)
 
 
 class Experts(nn.Module):

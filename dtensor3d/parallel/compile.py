@@ -2,13 +2,20 @@
 
 Build time: `apply_compile`, after tensor/context/expert parallelism and recompute and
 before FSDP (parallelize.py's order, as torchtitan's): the compiled region is one block
-with its DTensor layouts and checkpoint already in place, and FSDP's hooks stay outside
+with its DTensor layouts (and a selective checkpoint) already in place, and FSDP's hooks stay outside
 it. `Module.compile` keeps the module where it is, so parameter names do not change (no
 `_orig_mod.` prefix): checkpoints move between compiled and eager runs.
 
 A decoder layer with experts compiles only its attention: its routing (tokens per expert,
 `tolist`) has data-dependent shapes that recompile past dynamo's limit at every step, and
 dynamo loses `to_local` of the ep-sharded expert weights before grouped_mm.
+Under `recompute: full` a dense block compiles its body (`_forward`) and keeps the
+checkpoint around it eager (replayed in backward, compiled graph and all), as a layer with
+experts does: torch 2.13's trace of a non-reentrant checkpoint whose region holds
+scaled_dot_product_attention on tp-sharded heads saves the DeviceMesh as if it were a tensor,
+and every rank stops in the first forward ("expected all tensors_saved_with_vc_check to be
+Tensors"; found by tests/parallel/test_matrix.py; torch alone: bench/compile_checkpoint_tp.py).
+Selective recompute stays inside the compiled block: its policy runs in the trace.
 With tensor parallelism a block's DTensor styles (colwise/rowwise, sequence parallel) are
 traced inside its graph. What reaches a block from outside is plain, except the first block
 of a stage after the embedding: tp's async redistribute makes that an AsyncCollectiveTensor,
@@ -73,17 +80,39 @@ def _settled_inputs(fn):
     return call
 
 
+def compile_backend(device_type: str) -> str:
+    """The compiler backend per device (pure; the one switch for CPU and CUDA): inductor on
+    both (C++/OpenMP kernels on CPU, Triton on CUDA: inductor picks its code generator from
+    the tensors' device, not from us). CUDA's extra, tp's micro-pipeline pass, is tp's switch
+    (`tensor.tp_overlap`)."""
+    del device_type  # the same backend everywhere
+    return "inductor"
+
+
+def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What is compiled (pure: reads the module tree), as (name, module): every decoder block
+    of this stage, or a MoE layer's attention alone (its routing has data-dependent shapes
+    that recompile at every step)."""
+    return [
+        (f"model.layers.{i}.self_attn", block.self_attn) if _is_moe(block) else (f"model.layers.{i}", block)
+        for i, block in model.model.layers.items()
+    ]
+
+
 def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
-    """Compile every decoder block of this stage in place (one graph per block; blocks of
-    the same shape share it). Hitting dynamo's recompile limit raises instead of quietly
-    running the block eager (torch's default)."""
+    """Compile each of `compile_targets` in place (one dynamo graph per block: each block is
+    its own module, so n blocks trace n graphs). Hitting dynamo's recompile limit raises
+    instead of quietly running the block eager (torch's default)."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    for index, block in model.model.layers.items():
-        # A MoE layer: only its attention (routing has data-dependent shapes that recompile)
-        target, name = (block.self_attn, f"model.layers.{index}.self_attn") if _is_moe(block) else (block, None)
+    for name, target in compile_targets(model):
+        if getattr(target, "recompute", "none") == "full":
+            # A dense block under full recompute: its body, under an eager checkpoint (module docstring)
+            compiled = torch.compile(target._forward, backend=backend)
+            target._forward = _named_failures(_settled_inputs(compiled), name)
+            continue
         target.compile(backend=backend)
         compiled = _settled_inputs(target._compiled_call_impl)
-        target._compiled_call_impl = _named_failures(compiled, name or f"model.layers.{index}")
+        target._compiled_call_impl = _named_failures(compiled, name)
     return model
 
 

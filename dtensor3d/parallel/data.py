@@ -25,7 +25,18 @@ from .expert import expert_params
 from .shards import local
 
 
-def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | None = None) -> nn.Module:
+def fsdp_policy(device_type: str, dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed-precision policy for training.dtype (pure; the one switch for CPU and
+    CUDA): bfloat16 gathers bf16 parameters and so computes in bf16 (the fp32 shards stay the
+    master weights), float32 casts nothing; gradients are reduced in fp32 either way. The
+    device does not change it (gloo and NCCL get the same policy); a device branch would
+    show here and in its test."""
+    del device_type  # no device-specific policy
+    param_dtype = torch.bfloat16 if dtype == "bfloat16" else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, mesh, parallelism, policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """fully_shard each MoE layer's experts over dp x cp (they are already split over ep),
     the decoder blocks in units of `fsdp_bucket_layers` consecutive blocks, and then the root
     (embedding, final norm, head) over ep x dp x cp (the dense parameters, which ep replicates).
@@ -35,10 +46,10 @@ def apply_fsdp(model: nn.Module, mesh, parallelism, param_dtype: torch.dtype | N
         mesh: the mesh from `build_mesh`.
         parallelism: its `reshard_after_forward` decides resharding (a pipeline stage, or
             `fsdp_reshard_after_forward: never`, keeps its parameters gathered for the step).
-        param_dtype: the compute dtype of the gathered parameters (None: the stored dtype).
+        policy: `fsdp_policy(device, training.dtype)` (None: fp32's, nothing cast).
     """
     dense_mesh, expert_mesh = fsdp_meshes(mesh, parallelism)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = policy or fsdp_policy(mesh.device_type, "float32")
     kwargs = dict(reshard_after_forward=parallelism.reshard_after_forward, mp_policy=mp)
     blocks, n = list(model.model.layers.values()), parallelism.fsdp_bucket_layers
     for block in blocks:

@@ -12,7 +12,8 @@
     5 expert parallel    expert.py             experts sharded over ep before FSDP sees them
     6 recompute          (models, step 1)      wraps whole layers; compile and FSDP wrap those
     7 compile            compile.py            one graph per block, with its DTensor layouts
-                                               and checkpoint inside, FSDP's hooks outside
+                                               inside (and a selective checkpoint; a full one
+                                               stays outside), FSDP's hooks outside
     8 fsdp               data.py               last: it shards whatever the others left;
                                                bf16 training gathers bf16 parameters here
 
@@ -26,9 +27,9 @@ from torch import nn
 
 from ..models import build_on_meta, tie_weights
 from ..models.layers import ModelHooks
-from .compile import apply_compile
+from .compile import apply_compile, compile_backend
 from .context import sequence_layout
-from .data import apply_fsdp
+from .data import apply_fsdp, fsdp_policy
 from .expert import aux_loss_scale, expert_dispatch, shard_experts, token_share
 from .pipeline import local_stages, merge_stages, split_stage
 from .tensor import apply_tp
@@ -46,12 +47,6 @@ def model_hooks(recipe, mesh, device: torch.device) -> ModelHooks:
     )
 
 
-def fsdp_param_dtype(recipe) -> torch.dtype | None:
-    """FSDP2's compute dtype: bf16 gathered parameters for training.dtype bfloat16 (the fp32
-    shards stay the master weights; gradients are reduced in fp32)."""
-    return torch.bfloat16 if recipe.training.dtype == "bfloat16" else None
-
-
 def parallelize_stage(recipe, mesh, stage: int, hooks: ModelHooks) -> nn.Module:
     """Global pipeline stage `stage` of the model (the whole model when pp == 1), on the meta
     device, with every parallelism applied in the order of the table above."""
@@ -64,9 +59,9 @@ def parallelize_stage(recipe, mesh, stage: int, hooks: ModelHooks) -> nn.Module:
     if p.ep_enabled:
         shard_experts(model, mesh["ep"])
     if recipe.training.compile:
-        apply_compile(model)
+        apply_compile(model, compile_backend(mesh.device_type))
     if p.fsdp_enabled:
-        apply_fsdp(model, mesh, p, param_dtype=fsdp_param_dtype(recipe))
+        apply_fsdp(model, mesh, p, fsdp_policy(mesh.device_type, recipe.training.dtype))
     return model
 
 

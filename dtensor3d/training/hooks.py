@@ -29,7 +29,7 @@ from ..parallel.comm import count_step
 from ..parallel.shards import write_layout
 from . import faults
 from .evaluate import eval_due, validation_loss
-from .metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_gib
+from .metrics import MetricsLog, flops_per_token, mfu, peak_flops, peak_memory_gib
 from .profiling import StepProfiler
 
 
@@ -118,9 +118,9 @@ class MetricsLogging(StepHook):
         if state.step % recipe.logging.every and state.step != recipe.training.steps and "val_loss" not in metrics:
             return
         tps = self.tokens_per_step / seconds
-        mfu = tps * self.flops_per_token / (self.peak_flops * dist.get_world_size()) if self.peak_flops else None
+        utilisation = mfu(tps, self.flops_per_token, self.peak_flops, dist.get_world_size())
         memory = peak_memory_gib(state.device)
-        metrics.update(tokens_per_sec=tps, ms_per_step=1000 * seconds, peak_mem_gib=memory, mfu=mfu)
+        metrics.update(tokens_per_sec=tps, ms_per_step=1000 * seconds, peak_mem_gib=memory, mfu=utilisation)
         self.log.log(metrics)
 
     def close(self) -> None:

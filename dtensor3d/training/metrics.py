@@ -19,10 +19,19 @@ from ..plan.shapes import flops_per_token  # noqa: F401  (torch-free, for plan; 
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((tflops * 1e12 for gpu, tflops in GPUS.items() if gpu in name), None)  # plan's table
+    """This device's peak FLOP/s: a CUDA device's from its name; None on CPU."""
+    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_flops_of(gpu_name: str) -> float | None:
+    """A GPU's dense bf16 peak FLOP/s from its device name, by plan's table (None: not listed)."""
+    return next((tflops * 1e12 for gpu, tflops in GPUS.items() if gpu in gpu_name), None)
+
+
+def mfu(tokens_per_sec: float, token_flops: float, peak: float | None, ranks: int) -> float | None:
+    """Model FLOPs utilisation: the model's FLOP/s over the peak of `ranks` devices (None
+    without a peak: CPU, or a GPU plan's table does not list)."""
+    return tokens_per_sec * token_flops / (peak * ranks) if peak else None
 
 
 def peak_memory_gib(device: torch.device) -> float:

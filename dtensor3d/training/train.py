@@ -121,7 +121,7 @@ def setup(recipe: Recipe) -> TrainState:
 
 def compute_dtype_context(state: TrainState):
     """training.dtype bfloat16 computes in bf16 over fp32 master weights: where FSDP is used
-    its MixedPrecisionPolicy gathers bf16 parameters (parallelize.fsdp_param_dtype) and
+    its MixedPrecisionPolicy gathers bf16 parameters (parallel/data.py's fsdp_policy) and
     reduces gradients in fp32, so no autocast; elsewhere bf16 autocast."""
     t = state.recipe.training
     if t.dtype == "bfloat16" and not state.recipe.parallelism.fsdp_enabled:

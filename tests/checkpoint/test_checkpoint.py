@@ -467,6 +467,8 @@ def test_resume_from_a_checkpoint_dir_interval_0_and_init_from_hf_ignored(run_on
 # ---------------------------------------------------------------- Hugging Face
 
 HF_CONFIG = TINY_HF_LLAMA
+# What the parity recipe must add to describe HF_CONFIG's model (its rope_theta is not the default)
+HF_ROPE = f"model.rope_theta={HF_CONFIG['rope_theta']}"
 
 
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -553,7 +555,13 @@ def test_init_from_hf_on_tp2_pp2(hf_model, tmp_path):
     got = train_metrics(
         tmp_path,
         4,
-        ["parallelism.tp=2", "parallelism.pp=2", "training.steps=1", f"checkpoint.init_from_hf={root / 'single'}"],
+        [
+            "parallelism.tp=2",
+            "parallelism.pp=2",
+            "training.steps=1",
+            HF_ROPE,
+            f"checkpoint.init_from_hf={root / 'single'}",
+        ],
     )
     recipe = load_recipe(PARITY)
     inputs, targets = local_batch(recipe, make_source(recipe), 0)
@@ -568,7 +576,9 @@ def test_init_from_hf_checked_at_the_door(hf_model, tmp_path):
     assert "config.json" in line and "rope_theta" in line and "500000" in line
     line = one_error_line(cli("validate", PARITY, f"checkpoint.init_from_hf={tmp_path / 'nope'}"))
     assert "checkpoint.init_from_hf" in line and "no such directory" in line
-    assert cli("validate", PARITY, f"checkpoint.init_from_hf={hf}").returncode == 0
+    line = one_error_line(cli("validate", PARITY, f"checkpoint.init_from_hf={hf}"))  # the recipe's default 10000
+    assert "rope_theta" in line and "271828" in line and "10000" in line
+    assert cli("validate", PARITY, f"checkpoint.init_from_hf={hf}", HF_ROPE).returncode == 0
 
 
 @pytest.mark.parametrize(

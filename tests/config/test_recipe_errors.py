@@ -287,6 +287,24 @@ CASES = [
         command="train",
         overrides=("model.shared_expert_intermediate_size=32",),
     ),
+    # -- torch.compile against what it cannot run (config/checks.py's _validate_recompute)
+    Case(
+        "compile-zbv",
+        ("training.compile=true", "pp_engine zbv", "1f1b, afab or interleaved_1f1b"),
+        edit={"parallelism.pp_engine": "zbv", "training.compile": True},
+    ),
+    Case(
+        "compile-dualpipev-launch",
+        ("training.compile=true", "pp_engine dualpipev", "compile: false"),
+        command="launch",
+        edit={"training.global_batch_size": 32},  # the 4 microbatches dualpipev needs at pp 2
+        overrides=("parallelism.pp_engine=dualpipev", "training.compile=true"),
+    ),
+    Case(
+        "selective-compile-experts",
+        ("parallelism.recompute=selective", "training.compile=true", "experts", "recompute none or full"),
+        edit={"model.num_local_experts": 4, "parallelism.recompute": "selective", "training.compile": True},
+    ),
     # -- multi-node: MASTER_PORT
     Case(
         "nnodes-without-master-port",
@@ -768,4 +786,47 @@ def test_mla_settings_refused_with_one_line(overrides, message):
 def test_router_options_refused_at_the_door(overrides, words):
     """The MoE router's options (8 experts): one error line naming the key and what is valid."""
     line = one_error_line(cli("validate", str(REPO / "tests" / "recipes" / "moe_parity.yaml"), *overrides))
+    assert all(w in line for w in words), line
+
+
+RECIPE_DIR = REPO / "tests" / "recipes"
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, words",
+    [
+        ("moe_parity", ["model.family=qwen2"], ["model.family='qwen2'", "num_local_experts=8", "'mixtral'"]),
+        ("parity", ["model.head_dim=7"], ["model.head_dim=7", "positive even number"]),
+        ("parity", ["model.intermediate_size=130", "parallelism.tp=4"], ["intermediate_size=130", "tp=4"]),
+        ("parity", ["model.vocab_size=258", "parallelism.tp=4"], ["vocab_size=258", "multiple of 4"]),
+        ("parity", ["training.sequence_length=128"], ["sequence_length=128", "max_position_embeddings=64"]),
+        (
+            "parity",
+            ["parallelism.recompute_layer=true", "parallelism.recompute=selective"],
+            ["recompute=selective", "recompute_layer=true"],
+        ),
+        ("parity", ["optimizer.min_lr=0.1"], ["optimizer.lr=0.001", "min_lr=0.1", "0 <= min_lr <= lr"]),
+        ("parity", ["optimizer.eps=0"], ["optimizer:", "eps > 0"]),
+        ("parity", ["optimizer.betas=[0.9, 1.0]"], ["optimizer.betas=[0.9, 1.0]", "[0, 1)"]),
+        ("parity", ["data.kind=tokens"], ["data.path is required", "data.kind 'tokens'"]),
+        ("parity", ["checkpoint.interval=-1"], ["checkpoint.interval=-1", ">= 0"]),
+        ("parity", ["training.eval_every=-1"], ["training.eval_every=-1", ">= 0"]),
+        ("parity", ["training.max_skipped_steps=0"], ["training.max_skipped_steps=0", "positive"]),
+        ("parity", ["training.timeout_s=0"], ["training.timeout_s=0", "positive number of seconds"]),
+        ("parity", ["checkpoint.preempt_timeout_s=-5"], ["checkpoint.preempt_timeout_s=-5", "seconds"]),
+        ("parity", ["logging.profile_steps=[4, 2]"], ["logging.profile_steps=[4, 2]", "first <= last"]),
+        ("moe_parity", ["model.num_experts_per_tok=9"], ["num_experts_per_tok=9", "1..num_local_experts=8"]),
+        ("moe_parity", ["model.router_aux_loss_coef=-1"], ["router_aux_loss_coef=-1", ">= 0"]),
+        ("moe_parity", ["model.mlp_only_layers=[4]"], ["mlp_only_layers=[4]", "0..3"]),
+        (
+            "deepseek_parity",
+            ["model.shared_expert_intermediate_size=32"],
+            ["n_shared_experts=", "shared_expert_intermediate_size=32", "not both"],
+        ),
+    ],
+)
+def test_the_other_checks_refuse_with_one_line(recipe, overrides, words):
+    """The door's remaining checks (config/checks.py, config/moe_checks.py), each on the parity
+    recipe it applies to: one error line naming the key, the value and what is valid."""
+    line = one_error_line(cli("validate", str(RECIPE_DIR / f"{recipe}.yaml"), *overrides))
     assert all(w in line for w in words), line

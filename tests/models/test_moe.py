@@ -9,7 +9,7 @@ from helpers import torchrun
 
 from dtensor3d.config.schema import ModelConfig
 from dtensor3d.models.layers import ModelHooks
-from dtensor3d.models.moe import MoE, expert_matmul
+from dtensor3d.models.moe import MoE, expert_matmul, use_grouped_mm
 
 CFG = ModelConfig(hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
 
@@ -115,6 +115,36 @@ def test_grouped_mm_equals_loop():
         grads.append((y.detach(), xi.grad, wi.grad))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_grouped_mm_switch_per_device_and_dtype():
+    """The experts' switch: the grouped kernel for bf16 on CUDA and fp32 on CPU (16-byte
+    aligned rows), the loop for every other device, dtype or alignment."""
+    aligned = (32, 48)
+    assert use_grouped_mm("cuda", torch.bfloat16, aligned)
+    assert use_grouped_mm("cpu", torch.float32, aligned)
+    for device, dtype in (("cuda", torch.float32), ("cuda", torch.float16), ("cpu", torch.bfloat16)):
+        assert not use_grouped_mm(device, dtype, aligned), (device, dtype)
+    assert not use_grouped_mm("mps", torch.float32, aligned)
+    assert not use_grouped_mm("cuda", torch.bfloat16, (32, 24))  # a row of 12 bf16 values
+
+
+def test_grouped_mm_in_bf16_equals_the_loop_on_cpu():
+    """What the CUDA branch computes (the grouped kernel in bf16), run by torch's CPU kernel,
+    against the loop over the experts in bf16: equal within bf16's rounding (torch's default
+    bf16 tolerance), forward and both gradients."""
+    x0 = torch.randn(11, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    w0 = torch.randn(3, 16, 24, generator=torch.Generator().manual_seed(1)).bfloat16()
+    counts = [4, 0, 7]
+    got = []
+    for grouped in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = expert_matmul(x, w, counts, grouped)
+        y.square().sum().backward()
+        got.append((y.detach(), x.grad, w.grad))
+    for loop, grouped in zip(*got):
+        assert grouped.dtype == torch.bfloat16
+        torch.testing.assert_close(grouped, loop)
 
 
 def test_expert_parallel_dispatch_matches_local():

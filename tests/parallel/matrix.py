@@ -156,16 +156,6 @@ RULES = (
         lambda r: not (r["model"] == "moe" and r["recompute"] == "selective" and r["compile"] == "compiled"),
     ),
     Rule(
-        # Found by the matrix (moe, tied, shared expert, bf16, ep 2 x tp 2 x interleaved pp 2,
-        # recompute full, compiled): every rank fails in torch's AOT autograd, "expected all
-        # tensors_saved_with_vc_check to be Tensors" (a Parameter saved). One process runs it.
-        # Not fixed: not run here until it is (the door does not refuse it).
-        "experts: full recompute under compile fails in torch's AOT autograd across ranks (open bug)",
-        ("model", "recompute", "compile"),
-        lambda r: not (r["model"] == "moe" and r["recompute"] == "full" and r["compile"] == "compiled"),
-        door=False,
-    ),
-    Rule(
         "the V schedules' split backward cannot run compiled",
         ("pp", "compile"),
         lambda r: r["pp"] not in ("zbv", "dualpipev") or r["compile"] == "eager",

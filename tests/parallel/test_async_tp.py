@@ -1,40 +1,74 @@
-"""tp_linear_async_communication (parallel/async_tp.py): parity with the key off and the
-overlap itself (one 2-rank run, both tp modes), and which path the key takes where (no
-processes: the switch's logic, the CUDA branch included)."""
+"""tp_linear_async_communication (parallel/async_tp.py): parity with the key off, eager and
+compiled, and the overlap itself (a 2-rank run at tp 2 and a 4-rank run at dp 2 x tp 2, both
+tp modes), and which path the key takes where (no processes: the switch's logic, the CUDA
+branch included)."""
 
 import json
 from types import SimpleNamespace
 
-from helpers import PARITY, TOL, torchrun
+import pytest
+from helpers import COMPILE_TOL, PARITY, TOL, torchrun
 
 from dtensor3d.parallel.tensor import tp_overlap, tp_plan
 
+MODES = ("ALL_REDUCE", "REDUCE_SCATTER")
+# Two decoder layers (the parity model has four): every path of the block twice over (block
+# 0's input comes from the embedding, block 1's from a block) at half the compile time.
+RUN = [PARITY, "parallelism.tp=2", "training.micro_batch_size=2", "model.num_hidden_layers=2"]
 
-def test_async_tp_matches_the_key_off_and_overlaps():
-    """tp 2, both tp modes, two steps each with the key off and on in one process pair: the
-    loss and grad norm agree to TOL; with the key on, the tp collectives parallel/comm.py
-    counts are issued asynchronously (a matmul runs between issue and wait): under ALL_REDUCE
-    the input-gradient all-reduces, under sequence parallelism the chunked all-gathers and
+
+def async_runs(ranks: int, setups: str, *overrides: str) -> dict:
+    """tests/dist_scripts/async_tp.py's records by (mode, setup)."""
+    out = torchrun(ranks, ["tests/dist_scripts/async_tp.py", f"--setups={setups}", *RUN, *overrides])
+    lines = [line.removeprefix("ASYNC ") for line in out.stdout.splitlines() if line.startswith("ASYNC ")]
+    runs = {(r["mode"], r["setup"]): r for r in map(json.loads, lines)}
+    assert len(runs) == len(MODES) * len(setups.split(",")), out.stdout[-2000:]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    """tp 2, both tp modes, two steps each with the key off, on, and on under
+    training.compile, in one process pair."""
+    return async_runs(2, "off,on,on_compiled")
+
+
+def assert_matches(got: dict, ref: dict, tol: float) -> None:
+    """got's two steps within tol of ref's; a compiled setup traced each block whole (one graph
+    per block, no graph break at the overlapped Functions or their collectives' waits)."""
+    compiled = got["setup"] == "on_compiled"
+    assert (got["graphs"], got["graph_breaks"]) == ((2, 0) if compiled else (0, 0)), got
+    for a, b in zip(ref["metrics"], got["metrics"], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= tol * abs(a[key]), (key, a, b)
+
+
+def test_async_tp_matches_the_key_off_and_overlaps(tp2):
+    """The loss and grad norm with the key on agree with the key off to TOL eager and to
+    COMPILE_TOL compiled; with the key on (eager), the tp collectives parallel/comm.py counts
+    are issued asynchronously (a matmul runs between issue and wait): under ALL_REDUCE the
+    input-gradient all-reduces, under sequence parallelism the chunked all-gathers and
     reduce-scatters. With the key off none is (DTensor waits before the next matmul)."""
-    out = torchrun(2, ["tests/dist_scripts/async_tp.py", PARITY, "parallelism.tp=2", "training.micro_batch_size=2"])
-    runs = {(r["mode"], r["async"]): r for r in map(json.loads, _lines(out.stdout))}
-    assert len(runs) == 4, out.stdout[-2000:]
-    for mode in ("ALL_REDUCE", "REDUCE_SCATTER"):
-        off, on = runs[(mode, False)], runs[(mode, True)]
-        for a, b in zip(off["metrics"], on["metrics"]):
-            for key in ("loss", "grad_norm"):
-                assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (mode, key, a, b)
+    for mode in MODES:
+        off = tp2[(mode, "off")]
+        assert_matches(tp2[(mode, "on")], off, TOL)
+        assert_matches(tp2[(mode, "on_compiled")], off, COMPILE_TOL)
         assert sum(off["overlapped"]["tp"].values()) == 0, off
-    assert runs[("ALL_REDUCE", True)]["overlapped"]["tp"]["all_reduce"] > 0
-    sp = runs[("REDUCE_SCATTER", True)]["overlapped"]["tp"]
+    assert tp2[("ALL_REDUCE", "on")]["overlapped"]["tp"]["all_reduce"] > 0
+    sp = tp2[("REDUCE_SCATTER", "on")]["overlapped"]["tp"]
     assert sp["all_gather"] > 0 and sp["reduce_scatter"] > 0, sp
     # the chunked path issues more (smaller) collectives than DTensor's one per gather
-    sp_off = runs[("REDUCE_SCATTER", False)]["issued"]["tp"]
-    assert runs[("REDUCE_SCATTER", True)]["issued"]["tp"]["all_gather"] > sp_off["all_gather"]
+    sp_off = tp2[("REDUCE_SCATTER", "off")]["issued"]["tp"]
+    assert tp2[("REDUCE_SCATTER", "on")]["issued"]["tp"]["all_gather"] > sp_off["all_gather"]
 
 
-def _lines(stdout: str) -> list[str]:
-    return [line.removeprefix("ASYNC ") for line in stdout.splitlines() if line.startswith("ASYNC ")]
+def test_async_tp_compiled_at_dp2_tp2(tp2):
+    """dp 2 x tp 2 (FSDP2 over the overlapped projections' DTensor weights, outside the
+    compiled blocks), the key on under training.compile, both tp modes: within COMPILE_TOL of
+    tp 2 with the key off, eager (the same global batches: topology independence)."""
+    got = async_runs(4, "on_compiled", "parallelism.dp=2")
+    for mode in MODES:
+        assert_matches(got[(mode, "on_compiled")], tp2[(mode, "off")], COMPILE_TOL)
 
 
 def test_the_async_key_picks_its_path_per_device():

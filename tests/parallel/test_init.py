@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import MOE, PARITY, torchrun
+from helpers import MOE, PARITY, ROOT, torchrun
 from safetensors.torch import load_file
 
 from dtensor3d.config.load import load_recipe
@@ -47,7 +47,7 @@ def initialized(recipe_path: str, overrides: list[str], seed: int = 7) -> dict[s
 def kind(name: str) -> str:
     if name.endswith("norm.weight"):
         return "norm"
-    return "bias" if name.endswith(".bias") else "weight"
+    return "bias" if name.endswith((".bias", ".e_score_correction_bias")) else "weight"
 
 
 def check_documented(weights: dict[str, torch.Tensor], seed: int) -> dict[str, int]:
@@ -75,21 +75,22 @@ def check_documented(weights: dict[str, torch.Tensor], seed: int) -> dict[str, i
         (PARITY, ["model.family=qwen2"]),  # q/k/v biases
         (PARITY, ["model.family=qwen3", "model.head_dim=24", "model.tie_word_embeddings=true"]),  # q/k norms, tied
         (MOE, ["model.shared_expert_intermediate_size=32", "model.moe_layers=[1, 3]"]),  # router, experts
+        (str(ROOT / "tests" / "recipes" / "deepseek_parity.yaml"), []),  # MLA's norms, the correction bias
     ],
-    ids=["qwen2", "qwen3_tied", "moe_shared_expert"],
+    ids=["qwen2", "qwen3_tied", "moe_shared_expert", "deepseek_v3"],
 )
 def test_init_follows_the_readme(recipe, overrides):
     weights = initialized(recipe, overrides)
     count = check_documented(weights, seed=7)
     assert count["norm"] >= 9 and count["weight"] >= 10, count
-    assert (count["bias"] > 0) == ("model.family=qwen2" in overrides), count
+    assert (count["bias"] > 0) == ("model.family=qwen2" in overrides or "deepseek" in recipe), count
     if recipe == MOE:  # the router, the stacked experts and the shared expert are weights too
         assert {"gate.weight", "experts.w1", "shared_expert.gate_proj.weight"} <= {
             n.split("block_sparse_moe.")[1] for n in weights if "block_sparse_moe." in n
         }, sorted(weights)
     # Each parameter draws from its own seeded generator: another name, other values; the
     # same seed, the same values; another seed, others.
-    q0, q1 = (weights[f"model.layers.{i}.self_attn.q_proj.weight"] for i in (0, 1))
+    q0, q1 = (weights[f"model.layers.{i}.self_attn.o_proj.weight"] for i in (0, 1))
     assert q0.shape == q1.shape and not torch.equal(q0, q1)
     again, other = initialized(recipe, overrides), initialized(recipe, overrides, seed=8)
     assert all(torch.equal(weights[n], again[n]) for n in weights)

@@ -11,7 +11,7 @@ is printed in the header; MATRIX_SEED / MATRIX_RUNS choose it)."""
 import itertools
 
 import pytest
-from helpers import MOE, PARITY, assert_parity, check_comm, check_layout, scheduled_lrs, train_metrics
+from helpers import COMPILE_TOL, MOE, PARITY, assert_parity, check_comm, check_layout, scheduled_lrs, train_metrics
 from matrix import (
     OPTIONS,
     RULES,
@@ -31,7 +31,6 @@ from dtensor3d.errors import RecipeError
 
 SEED = 0  # the covering array's seed (a different seed: another array, as good)
 RUNS = covering(SEED)
-COMPILE_TOL = 1e-4  # torch.compile against eager (tests/training/test_speed.py)
 # bf16 against the 1-process bf16 run: both round to 8 mantissa bits, in other orders and at
 # other points (FSDP2's cast of the gathered weights vs autocast's of each matmul's inputs).
 # The bars of tests/models/test_reference.py's two bf16 implementations; measured here:

@@ -27,7 +27,7 @@ BASE = dict(
     num_key_value_heads=4,
     max_position_embeddings=128,
     rms_norm_eps=1e-5,
-    rope_theta=10000.0,
+    rope_theta=271828.0,  # not 10000: the fallback of a lost mapping (import or export)
     tie_word_embeddings=False,
 )
 KINDS = {

@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import PARITY, assert_parity, scheduled_lrs, short
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from dtensor3d.config.load import load_recipe
 from dtensor3d.config.schema import ParallelismConfig
@@ -18,8 +20,9 @@ from dtensor3d.mesh import build_mesh, init_distributed
 from dtensor3d.models import build_on_meta, materialize
 from dtensor3d.models.layers import ModelHooks
 from dtensor3d.parallel.compile import CompileError, apply_compile
-from dtensor3d.parallel.data import apply_fsdp
+from dtensor3d.parallel.data import apply_fsdp, fsdp_policy
 from dtensor3d.parallel.shards import init_weights, local
+from dtensor3d.parallel.tensor import apply_tp
 from dtensor3d.plan.activations import kept_bytes
 
 RECIPE = load_recipe(PARITY)  # the parity model: 4 layers, hidden 64, 8 heads
@@ -87,10 +90,11 @@ def one_rank(monkeypatch):
     dist.destroy_process_group()
 
 
-def fsdp_step(mesh, param_dtype) -> dict:
-    """One FSDP2 forward/backward/AdamW step of the parity model; what each tensor's dtype was."""
+def fsdp_step(mesh, dtype: str) -> dict:
+    """One FSDP2 forward/backward/AdamW step of the parity model under the policy the
+    trainer builds for training.dtype on this device; what each tensor's dtype was."""
     model = build_on_meta(RECIPE.model)
-    apply_fsdp(model, mesh, ParallelismConfig(), param_dtype=param_dtype)
+    apply_fsdp(model, mesh, ParallelismConfig(), fsdp_policy(mesh.device_type, dtype))
     materialize(model, "cpu")
     init_weights(model, 7)
     seen = []
@@ -117,7 +121,7 @@ def test_bf16_the_fsdp2_way(one_rank, record_property):
     """training.dtype bfloat16 under FSDP2: bf16 gathered weights and activations, fp32 master
     weights, fp32 gradients reduced in fp32, fp32 AdamW state; activations kept for backward
     take about half the bytes."""
-    fp32, bf16 = fsdp_step(one_rank, None), fsdp_step(one_rank, torch.bfloat16)
+    fp32, bf16 = fsdp_step(one_rank, "float32"), fsdp_step(one_rank, "bfloat16")
     assert fp32["compute"] == (torch.float32, torch.float32)
     assert bf16["compute"] == (torch.bfloat16, torch.bfloat16)
     for r in (fp32, bf16):
@@ -182,15 +186,35 @@ def test_compile_keeps_the_gradient_of_an_async_input():
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_compile_with_recompute_matches_eager(recompute):
-    """torch.compile over a recomputed block (found by the combination matrix: recompute
-    full + compile stopped every rank with dynamo's 'checkpoint not implemented for
-    LazyVariableTracker context_fn'): the loss and every gradient equal eager's."""
+def test_compile_with_selective_recompute_matches_eager():
+    """torch.compile over a block with its selective checkpoint inside: the loss and every
+    gradient equal eager's. (Full recompute + compile, whose checkpoint stays eager: the
+    test below, on a tp mesh.)"""
     grads = []
-    for model in (tiny(recompute), apply_compile(tiny(recompute), backend="aot_eager")):
+    for model in (tiny("selective"), apply_compile(tiny("selective"), backend="aot_eager")):
         loss_of(model).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_compile_with_full_recompute_under_tp(one_rank):
+    """torch.compile over fully recomputed blocks whose attention runs on tp-sharded heads
+    (found by the matrix: every rank stopped in torch's AOT autograd, 'expected all
+    tensors_saved_with_vc_check to be Tensors'; torch alone: bench/compile_checkpoint_tp.py).
+    A tp mesh of one rank shows it: the loss and every gradient equal eager's."""
+    grads = []
+    for compiled in (False, True):
+        model = build_on_meta(RECIPE.model, hooks=ModelHooks(recompute="full"))
+        apply_tp(model, one_rank["tp"], RECIPE.parallelism)
+        if compiled:
+            apply_compile(model, backend="aot_eager")
+        materialize(model, "cpu")
+        init_weights(model, 7)
+        with loss_parallel():  # the head's logits: a DTensor sharded on the vocabulary
+            loss_of(model).backward()
+        grads.append({n: local(p.grad) for n, p in model.named_parameters()})
+    assert isinstance(model.model.layers["0"].self_attn.q_proj.weight, DTensor)  # tp really applied
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 

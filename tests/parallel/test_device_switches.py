@@ -1,0 +1,37 @@
+"""Each speed feature's device switch, asked for "cuda" and "cpu" in one process (no ranks,
+no GPU): FSDP2's mixed-precision policy (parallel/data.py `fsdp_policy`) and torch.compile's
+targets and backend (parallel/compile.py `compile_targets`, `compile_backend`). The async
+tp key's switch is tests/parallel/test_async_tp.py's, the experts' grouped_mm switch
+tests/models/test_moe.py's."""
+
+import pytest
+import torch
+from helpers import MOE, PARITY
+
+from dtensor3d.config.load import load_recipe
+from dtensor3d.models import build_on_meta
+from dtensor3d.parallel.compile import compile_backend, compile_targets
+from dtensor3d.parallel.data import fsdp_policy
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_fsdp_policy_per_device_and_dtype(device):
+    """bfloat16: bf16 gathered parameters over fp32 shards, gradients reduced in fp32;
+    float32: nothing cast, fp32 reduction; the same policy on either device."""
+    bf16, fp32 = fsdp_policy(device, "bfloat16"), fsdp_policy(device, "float32")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert (fp32.param_dtype, fp32.reduce_dtype) == (None, torch.float32)
+    assert bf16.output_dtype is None and bf16.cast_forward_inputs  # FSDP2's defaults kept
+    assert fsdp_policy(device, "bfloat16") == fsdp_policy("cpu", "bfloat16")
+
+
+def test_compile_backend_and_targets_per_device():
+    """inductor on both devices; every block of a dense model, the attention alone of a layer
+    with experts (tests/recipes/moe_parity.yaml: 4 such layers)."""
+    assert compile_backend("cuda") == compile_backend("cpu") == "inductor"
+    dense = build_on_meta(load_recipe(PARITY).model)
+    assert compile_targets(dense) == [(f"model.layers.{i}", b) for i, b in dense.model.layers.items()]
+    moe = build_on_meta(load_recipe(MOE).model)
+    targets = compile_targets(moe)
+    assert [n for n, _ in targets] == [f"model.layers.{i}.self_attn" for i in moe.model.layers]
+    assert all(t is moe.model.layers[n.split(".")[2]].self_attn for n, t in targets)

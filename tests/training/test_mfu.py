@@ -1,0 +1,43 @@
+"""MFU without a GPU: the arithmetic (training/metrics.py `mfu`), the peak looked up by a GPU's
+device name in plan's table, and the line `bench/throughput.py --device cuda` prints, given a
+peak figure (an arbitrary one: no GPU here, and no GPU figure is written)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtensor3d.config.load import recipe_from_dict
+from dtensor3d.plan.report import GPUS
+from dtensor3d.training.metrics import flops_per_token, mfu, peak_flops, peak_flops_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import throughput  # noqa: E402
+
+
+def test_mfu_arithmetic_and_the_peak_table():
+    """1,000 tokens/s x 6e6 FLOPs per token on 2 devices of 1e12 FLOP/s: 0.3% (by hand); no peak, no MFU."""
+    assert mfu(1000.0, 6e6, 1e12, 2) == pytest.approx(0.003)
+    assert mfu(1000.0, 6e6, None, 2) is None
+    for gpu, tflops in GPUS.items():
+        assert peak_flops_of(f"NVIDIA {gpu} 80GB HBM3") == tflops * 1e12, gpu
+    assert peak_flops_of("a GPU the table does not list") is None
+    assert peak_flops(torch.device("cpu")) is None
+
+
+def test_bench_throughput_prints_mfu_on_cuda(tmp_path):
+    """report(): on CUDA the MFU of the variant's tokens/s against the given peak, or 'n/a'
+    for a GPU the table lacks; on CPU no MFU."""
+    raw = {k: dict(v) for k, v in throughput.BENCH.items()} | {"logging": {"run_dir": str(tmp_path)}}
+    recipe = recipe_from_dict(raw)
+    t = recipe.training
+    tokens_per_sec = t.global_batch_size * t.sequence_length / 0.5
+    expected = mfu(tokens_per_sec, flops_per_token(recipe.model, t.sequence_length), 1e12, 1)
+    line = throughput.report("eager fp32", {"step_s": 0.5}, recipe, "cuda", 1e12)
+    assert f"MFU {100 * expected:5.1f}%" in line, line
+    assert "MFU n/a" in throughput.report("eager fp32", {"step_s": 0.5}, recipe, "cuda", None)
+    assert "MFU" not in throughput.report("eager fp32", {"step_s": 0.5}, recipe, "cpu", None)
