@@ -37,11 +37,11 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
         fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
         bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
     if moe:
-        stats = (2 * recipe.model.num_local_experts + 1) * FP32
+        stats = (2 * recipe.model.num_local_experts + 1) * z.router
         fwd["all_reduce"] = fwd.get("all_reduce", 0) + stats
         bwd["all_reduce"] = bwd.get("all_reduce", 0) + stats
         if not p.sequence_parallel:
-            rows = -(-z.tokens // p.tp) * z.hidden * z.compute
+            rows = -(-z.tokens // p.tp) * z.hidden * z.act  # in x's dtype (fp32 under autocast)
             fwd["all_gather"], bwd["all_gather"] = rows, rows
     return fwd, _mla_backward(recipe, bwd) if recipe.model.mla else bwd
 
@@ -209,7 +209,7 @@ def cp_bytes(recipe, part: Part, backend: str) -> dict[str, int]:
         return _kinds()
     kv = z.tokens * z.kv_pair * z.compute + (z.tokens * 8 if recipe.data.document_masking else 0)
     grads = z.kv_tokens * z.kv_pair * z.compute
-    stats = (2 * m.num_local_experts + 1) * FP32
+    stats = (2 * m.num_local_experts + 1) * z.router
     bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"
     mb, per_step = recipe.num_microbatches, {"all_gather": 0, bwd_kind: 0, "all_reduce": 0}
     for moe, again in _layer_runs(recipe, part):

@@ -155,10 +155,16 @@ class Sizes:
     # training gathers bf16 parameters (FSDP2's MixedPrecisionPolicy, no autocast: every
     # activation from the embedding on is bf16).
     act: int
+    # Bytes of a router score (the MoE routing sums tp / cp all-reduce): the router computes
+    # F.linear(x.float(), w.float()), which bf16 autocast still runs in bf16, and its softmax
+    # stays bf16 on CPU (CUDA's autocast runs softmax in fp32; sigmoid follows its input): 2
+    # under autocast unless softmax on CUDA, else 4.
+    router: int
 
 
 def sizes(recipe) -> Sizes:
     m, p, t = recipe.model, recipe.parallelism, recipe.training
+    autocast = t.dtype == "bfloat16" and not p.fsdp_enabled
     tokens = t.micro_batch_size * t.sequence_length // p.cp
     heads = m.num_attention_heads // p.tp
     q_width, kv_pair = heads * m.head_dim, 2 * m.num_key_value_heads // p.tp * m.head_dim
@@ -178,4 +184,5 @@ def sizes(recipe) -> Sizes:
         heads=heads,
         compute=2 if t.dtype == "bfloat16" else FP32,
         act=2 if t.dtype == "bfloat16" and p.fsdp_enabled else FP32,
+        router=2 if autocast and (t.device == "cpu" or m.scoring_func == "sigmoid") else FP32,
     )

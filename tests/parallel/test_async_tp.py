@@ -28,9 +28,10 @@ def async_runs(ranks: int, setups: str, *overrides: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2():
-    """tp 2, both tp modes, two steps each with the key off, on, and on under
-    training.compile, in one process pair."""
-    return async_runs(2, "off,on,on_compiled")
+    """tp 2, both tp modes, two steps each with the key off and on, in one process pair. (The
+    key on under training.compile runs at dp 2 x tp 2 below: each rank's compiled blocks are
+    tp 2's, with FSDP2 around them; a tp 2 compiled job as well would add ~60 s of inductor.)"""
+    return async_runs(2, "off,on")
 
 
 def assert_matches(got: dict, ref: dict, tol: float) -> None:
@@ -44,15 +45,14 @@ def assert_matches(got: dict, ref: dict, tol: float) -> None:
 
 
 def test_async_tp_matches_the_key_off_and_overlaps(tp2):
-    """The loss and grad norm with the key on agree with the key off to TOL eager and to
-    COMPILE_TOL compiled; with the key on (eager), the tp collectives parallel/comm.py counts
+    """The loss and grad norm with the key on agree with the key off to TOL; with the key
+    on, the tp collectives parallel/comm.py counts
     are issued asynchronously (a matmul runs between issue and wait): under ALL_REDUCE the
     input-gradient all-reduces, under sequence parallelism the chunked all-gathers and
     reduce-scatters. With the key off none is (DTensor waits before the next matmul)."""
     for mode in MODES:
         off = tp2[(mode, "off")]
         assert_matches(tp2[(mode, "on")], off, TOL)
-        assert_matches(tp2[(mode, "on_compiled")], off, COMPILE_TOL)
         assert sum(off["overlapped"]["tp"].values()) == 0, off
     assert tp2[("ALL_REDUCE", "on")]["overlapped"]["tp"]["all_reduce"] > 0
     sp = tp2[("REDUCE_SCATTER", "on")]["overlapped"]["tp"]

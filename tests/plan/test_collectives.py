@@ -81,3 +81,26 @@ def test_v_schedules_replay_a_layer_per_weight_group_under_full_recompute():
         (2 * 8 + 2 * 8 + 9 * 8) * kv,  # stage 0: forward and one replay per microbatch
         2 * (2 * 8 + 9 * 8) * kv,
     ]
+
+
+def test_moe_all_reduce_gathers_in_the_residual_dtype():
+    """An MoE layer under tp ALL_REDUCE routes 1/tp of the tokens and all-gathers its output
+    (forward) and its input's gradient (backward) in x's dtype: fp32 under bf16 autocast
+    (the combined expert output is summed into an fp32 tensor), bf16 under FSDP2's bf16
+    parameters. tp2 x pp2 1f1b, 8 microbatches, 2 MoE layers per rank, 16 rows x 64; not
+    replayed by recompute (the layer's last collective). Measured (autocast, tied, selective
+    recompute: the matrix's run), every rank, exact, with its routing sums (17 scores) in bf16:
+    CPU autocast runs the router's linear and softmax in bf16."""
+    from helpers import MOE
+
+    run = ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE", "parallelism.pp=2", "training.dtype=bfloat16"]
+    autocast = comm_bytes(load_recipe(MOE, [*run, "parallelism.recompute=selective"]), "gloo")
+    assert [c["tp"]["all_gather"] for c in autocast] == [8 * 2 * 2 * HALF * HIDDEN * 4] * 2
+    fsdp = comm_bytes(load_recipe(MOE, [*run, "parallelism.dp=2"]), "gloo")
+    assert [c["tp"]["all_gather"] for c in fsdp] == [4 * 2 * 2 * HALF * HIDDEN * 2] * 2
+    from dtensor3d.plan.params import sizes
+
+    # the routing sums' width: bf16 where autocast leaves the router's scores bf16 (measured on CPU)
+    width = lambda *o: sizes(load_recipe(MOE, ["training.dtype=bfloat16", *o])).router  # noqa: E731
+    assert (width(), width("parallelism.dp=2"), width("training.device=cuda")) == (2, 4, 4)
+    assert width("training.device=cuda", "model.scoring_func=sigmoid") == 2
