@@ -16,7 +16,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 
 class RMSNorm(nn.Module):
@@ -172,6 +177,13 @@ MATMUL_OPS = frozenset(
 )
 
 
+PROFILER_OPS = (
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+)
+
+
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     packet = getattr(op, "overloadpacket", op)  # aten.mm.default -> aten.mm
     return CheckpointPolicy.MUST_SAVE if packet in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
@@ -181,6 +193,11 @@ def recompute_context(mode: str):
     """torch.utils.checkpoint's context_fn for a recompute mode: full keeps nothing inside the
     layer (torch's default); selective keeps the outputs of MATMUL_OPS."""
     if mode == "selective":
+        # A profiler label inside the layer (FSDP2's, around an expert unit's gather) runs
+        # again in the recomputation as often as the FSDP state asks, not as in the forward:
+        # selective checkpointing must pass those ops through as it does detach (found by the
+        # matrix: deepseek_v3 cp2 x ep2 x afab pp2, "invocation index 2 ... not found in storage").
+        SAC_IGNORED_OPS.update(PROFILER_OPS)
         return partial(create_selective_checkpoint_contexts, _keep_matmuls)
     return noop_context_fn
 
