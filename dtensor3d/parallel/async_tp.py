@@ -40,8 +40,11 @@ COLUMN_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_p
 ROWS = (("self_attn", "o_proj"), ("mlp", "down_proj"))
 
 
-def _chunks(rows: int) -> int:
-    return CHUNKS if rows % CHUNKS == 0 else 1
+def _chunks(rows: int, cuda: bool) -> int:
+    """Pieces per collective: CHUNKS on CUDA; one on gloo (CPU), where two collectives in
+    flight at once on the tp group corrupted the heap (tp 2 sequence parallel, 6 steps: 2
+    crashes and 1 hang in 6 runs with two; none in 6 with one)."""
+    return CHUNKS if cuda and rows % CHUNKS == 0 else 1
 
 
 def _gather(x: torch.Tensor, group: str, chunks: int) -> list[torch.Tensor]:
@@ -87,7 +90,8 @@ class _ColumnGroup(torch.autograd.Function):
             b, s = full.shape[:2]
             views = [g.reshape(b, tp, s // tp, -1) for g in grads]
             pieces = [
-                _reduce_scatter(sum(v[:, :, c] @ w for v, w in zip(views, weights)), group) for c in _slices(s // tp)
+                _reduce_scatter(sum(v[:, :, c] @ w for v, w in zip(views, weights)), group)
+                for c in _slices(s // tp, full.is_cuda)
             ]
         else:  # one all-reduce of the summed input gradient
             pieces = funcol.all_reduce(sum(g @ w for g, w in zip(grads, weights)), "sum", group)
@@ -100,21 +104,21 @@ class _ColumnGroup(torch.autograd.Function):
         return (grad_x, None, None, None, None, *params)
 
 
-def _slices(rows: int) -> list[slice]:
-    step = rows // _chunks(rows)
+def _slices(rows: int, cuda: bool) -> list[slice]:
+    step = rows // _chunks(rows, cuda)
     return [slice(i, i + step) for i in range(0, rows, step)]
 
 
 def _gather_linears(x, weights, biases, group: str, tp: int, rank: int):
     """The whole sequence of x [b, sl, h] and each linear of it, the gather overlapped."""
     b, sl, h = x.shape
-    pieces = _gather(x, group, _chunks(sl))
+    pieces = _gather(x, group, _chunks(sl, x.is_cuda))
     full = x.new_empty(b, tp, sl, h)
     ys = [x.new_empty(b, tp, sl, w.shape[0]) for w in weights]
     full[:, rank] = x
     for y, w, bias in zip(ys, weights, biases):  # this rank's rows while the others travel
         y[:, rank] = F.linear(x, w, bias)
-    for cut, piece in zip(_slices(sl), pieces):
+    for cut, piece in zip(_slices(sl, x.is_cuda), pieces):
         got = _arrived(piece, tp)
         for r in range(tp):
             if r != rank:
@@ -131,7 +135,7 @@ class _RowScatter(torch.autograd.Function):
     def forward(ctx, x, w, group: str, tp: int, rank: int):
         b, s, k = x.shape
         xv = x.reshape(b, tp, s // tp, k)
-        pieces = [_reduce_scatter(F.linear(xv[:, :, c], w), group) for c in _slices(s // tp)]
+        pieces = [_reduce_scatter(F.linear(xv[:, :, c], w), group) for c in _slices(s // tp, x.is_cuda)]
         ctx.save_for_backward(xv, w)
         ctx.comm = (group, tp, rank)
         return _scattered(pieces)
@@ -141,11 +145,11 @@ class _RowScatter(torch.autograd.Function):
         xv, w = ctx.saved_tensors
         group, tp, rank = ctx.comm
         b, _, sl, k = xv.shape
-        pieces = _gather(gy, group, _chunks(sl))
+        pieces = _gather(gy, group, _chunks(sl, gy.is_cuda))
         gx = xv.new_empty(b, tp, sl, k)
         gx[:, rank] = gy @ w  # this rank's rows while the others travel
         gw = gy.reshape(-1, gy.shape[-1]).t() @ xv[:, rank].reshape(-1, k)
-        for cut, piece in zip(_slices(sl), pieces):
+        for cut, piece in zip(_slices(sl, gy.is_cuda), pieces):
             got = _arrived(piece, tp)
             for r in range(tp):
                 if r != rank:
