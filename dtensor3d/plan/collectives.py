@@ -28,14 +28,18 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     full_c, full_f = z.tokens * z.hidden * z.compute, z.tokens * z.hidden * z.act
     part_c, part_f = z.seq_tokens * z.hidden * z.compute, z.seq_tokens * z.hidden * z.act
     blocks = 1 if moe else 2  # attention, and the dense feed-forward (experts are replicated over tp)
+    # A column group's input gradient: x's dtype (DTensor reduces the gradient of x), but the
+    # async path reduces its matmul's output (compute width: bf16 under autocast, which the
+    # trainer's backward runs under too; measured 4,096 B per 32 x 64 all-reduce)
+    grad_in = full_c if p.tp_linear_async_communication else full_f
     if not p.sequence_parallel:
         # Rowwise outputs are all-reduced forward; each colwise input's gradient backward
         # (tp_linear_async_communication: one summed gradient per q/k/v or gate/up group).
         colwise = blocks if p.tp_linear_async_communication else 3 + 2 * (not moe)
-        fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": colwise * full_f}
+        fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": colwise * grad_in}
     else:
         fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
-        bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * full_f}
+        bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * grad_in}
     if moe:
         stats = (2 * recipe.model.num_local_experts + 1) * z.router
         fwd["all_reduce"] = fwd.get("all_reduce", 0) + stats
@@ -78,17 +82,42 @@ def replays(recipe, stage: int, layer: int) -> int:
     p, m = recipe.parallelism, recipe.num_microbatches
     if p.recompute == "none":
         return 0
-    if p.recompute != "full" or not p.pp_enabled or p.pp_engine not in V_SCHEDULES or stage == 0:
+    if p.recompute != "full":
         return m
-    return m + weight_passes(p, m, stage) * weight_groups(recipe.model, layer)
+    return m + split_passes(recipe, stage) * _weight_groups(recipe, layer)
+
+
+def split_passes(recipe, stage: int) -> int:
+    """Weight backwards W of global pipeline stage `stage` per step (none on the first
+    stage, whose backward torch runs whole)."""
+    p = recipe.parallelism
+    if not p.pp_enabled or p.pp_engine not in V_SCHEDULES or stage == 0:
+        return 0
+    return weight_passes(p, recipe.num_microbatches, stage)
+
+
+def _weight_groups(recipe, layer: int) -> int:
+    """shapes.weight_groups, where the async tp path (parallel/async_tp.py) computes q/k/v's
+    (and a dense layer's gate/up's) weight gradients in one autograd Function: one group each
+    (torch groups parameters by the node where they meet the activations)."""
+    m = recipe.model
+    merged = 0
+    if recipe.parallelism.tp_enabled and recipe.parallelism.tp_linear_async_communication:
+        merged = 2 + (not (m.num_local_experts and m.is_moe_layer(layer)))
+    return weight_groups(m, layer) - merged
 
 
 def _layer_runs(recipe, part: Part):
-    """(is an MoE layer, replays per step) for each decoder layer of this pp rank."""
+    """(is an MoE layer, replays per step, weight backwards per step) for each decoder layer
+    of this pp rank."""
     m = recipe.model
     for stage, layers in zip(part.stages, part.stage_layers):
         for i in layers:
-            yield bool(m.num_local_experts) and m.is_moe_layer(i), replays(recipe, stage, i)
+            yield (
+                bool(m.num_local_experts) and m.is_moe_layer(i),
+                replays(recipe, stage, i),
+                split_passes(recipe, stage),
+            )
 
 
 def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
@@ -98,11 +127,30 @@ def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
     under sequence parallelism), whose result backward never reads -- is not repeated. An
     MoE layer's routing sums are read by its aux loss's backward: repeated; under ALL_REDUCE
     its last collective, the outputs' all-gather, is not."""
-    z = sizes(recipe)
+    z, p = sizes(recipe), recipe.parallelism
     if moe:
-        return {k: n for k, n in fwd.items() if k != "all_gather" or recipe.parallelism.sequence_parallel}
-    last = "reduce_scatter" if recipe.parallelism.sequence_parallel else "all_reduce"
+        return {k: n for k, n in fwd.items() if k != "all_gather" or p.sequence_parallel}
+    if p.sequence_parallel and p.tp_linear_async_communication:
+        # the async row linear is one autograd Function: its saved tensors are packed once it
+        # returns, after its reduce-scatter, so recompute runs that too
+        return fwd
+    last = "reduce_scatter" if p.sequence_parallel else "all_reduce"
     return {**fwd, last: fwd[last] - z.tokens * z.hidden * z.compute}
+
+
+def _async_weight_pass(recipe, moe: bool) -> dict:
+    """A layer's collectives in each weight backward W of the async tp path: the column
+    group's Function runs its whole backward again (its input gradient's all-reduce, or
+    reduce-scatter under sequence parallelism), and under sequence parallelism so does each
+    row linear's (its output gradient's all-gather). One group per block (attention, and a
+    dense layer's feed-forward)."""
+    p, z = recipe.parallelism, sizes(recipe)
+    if not (p.tp_enabled and p.tp_linear_async_communication):
+        return {}
+    blocks, full_c = 1 if moe else 2, z.tokens * z.hidden * z.compute
+    if not p.sequence_parallel:
+        return {"all_reduce": blocks * full_c}
+    return {"reduce_scatter": blocks * full_c, "all_gather": blocks * z.seq_tokens * z.hidden * z.compute}
 
 
 def _sum(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
@@ -125,11 +173,12 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
     if not p.tp_enabled:
         return _kinds()
     layers, per_micro, per_step = part.layers, {}, {}
-    for moe, again in _layer_runs(recipe, part):
+    for moe, again, split in _layer_runs(recipe, part):
         fwd, bwd = _tp_layer(recipe, moe)
         _add(per_micro, fwd)
         _add(per_micro, bwd)
         _add(per_step, _tp_replay(recipe, fwd, moe), again)
+        _add(per_step, _async_weight_pass(recipe, moe), split)
     full_f, part_f = z.tokens * z.hidden * z.act, z.seq_tokens * z.hidden * z.act
     if part.first:  # vocab-parallel embedding: its partial output is reduced
         _add(
@@ -212,7 +261,7 @@ def cp_bytes(recipe, part: Part, backend: str) -> dict[str, int]:
     stats = (2 * m.num_local_experts + 1) * z.router
     bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"
     mb, per_step = recipe.num_microbatches, {"all_gather": 0, bwd_kind: 0, "all_reduce": 0}
-    for moe, again in _layer_runs(recipe, part):
+    for moe, again, _ in _layer_runs(recipe, part):
         per_step["all_gather"] += (mb + again) * kv
         per_step[bwd_kind] += mb * grads
         per_step["all_reduce"] += (2 * mb + again) * stats * moe
@@ -230,7 +279,7 @@ def ep_bytes(recipe, part: Part) -> dict[str, int]:
     fwd = m.num_local_experts * 8 + rows * (z.act + z.compute)
     bwd = rows * (z.compute + z.act)
     mb = recipe.num_microbatches
-    return _kinds(all_to_all=sum(((mb + again) * fwd + mb * bwd) * moe for moe, again in _layer_runs(recipe, part)))
+    return _kinds(all_to_all=sum(((mb + again) * fwd + mb * bwd) * moe for moe, again, _ in _layer_runs(recipe, part)))
 
 
 def tied_bytes(recipe, part: Part, units: dict[str, dict]) -> dict[str, int]:
