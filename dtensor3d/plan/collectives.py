@@ -192,13 +192,25 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
         )
         _add(per_micro, {"all_reduce": 3 * z.tokens * FP32})
     _add(per_step, per_micro, recipe.num_microbatches)
+    width = _norm_grad_width(recipe)
     if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
         norms = 2 * len(layers) + part.last
-        _add(per_step, {"all_reduce": norms * z.hidden * FP32})
+        _add(per_step, {"all_reduce": norms * z.hidden * width})
     if recipe.model.qk_norm:  # per-head q/k norms see this rank's heads: their gradients summed too
-        _add(per_step, {"all_reduce": 2 * len(layers) * recipe.model.head_dim * FP32})
+        _add(per_step, {"all_reduce": 2 * len(layers) * recipe.model.head_dim * width})
     _add(per_step, {"all_reduce": moe_grad_numel(recipe, part) * FP32})
     return _kinds(**per_step)
+
+
+def _norm_grad_width(recipe) -> int:
+    """Bytes per element of the norms' partial gradients when they are summed over tp. FSDP2
+    sums them (its redistribution to the parameter's placements, before its reduce-scatter)
+    in the gradient's own dtype: bf16 where it gathers bf16 parameters and the step has one
+    microbatch; with more it accumulates the unsharded gradients in its fp32 reduce dtype
+    first. Measured: dp2 x tp2 sequence parallel bf16, 1 microbatch per step (9 norms x 64
+    x 2 B) against 4 (x 4 B)."""
+    p, t = recipe.parallelism, recipe.training
+    return 2 if t.dtype == "bfloat16" and p.fsdp_enabled and recipe.num_microbatches == 1 else FP32
 
 
 def moe_grad_numel(recipe, part: Part) -> int:
