@@ -104,3 +104,103 @@ def test_moe_all_reduce_gathers_in_the_residual_dtype():
     width = lambda *o: sizes(load_recipe(MOE, ["training.dtype=bfloat16", *o])).router  # noqa: E731
     assert (width(), width("parallelism.dp=2"), width("training.device=cuda")) == (2, 4, 4)
     assert width("training.device=cuda", "model.scoring_func=sigmoid") == 2
+
+
+ASYNC = ["parallelism.tp=2", "parallelism.tp_linear_async_communication=true"]
+SP = "parallelism.tp_mode=REDUCE_SCATTER"
+
+
+def test_async_column_groups_reduce_the_input_gradient_at_the_compute_width():
+    """The async path's column group reduces its matmul's output, the input gradient g @ w,
+    which bf16 autocast (on in the trainer's backward too) computes in bf16; DTensor's sync
+    path reduces the gradient of the fp32 input. tp2 bf16 at dp 1 (autocast), 8
+    microbatches: ALL_REDUCE all-reduces per microbatch 4 layers x 2 groups x (forward row
+    output + backward input gradient) 32 x 64 at 2 B, the embedding's and the head's fp32
+    rows and loss_parallel's three sums; sequence parallelism reduce-scatters 4 x 2 x 2
+    bf16 and the embedding's and head's fp32 32-row tensors. Measured on both runs, both
+    ranks, exact; so was the matrix's dp2 replicate x tp2 ALL_REDUCE x pp2 afab run (rank
+    0: 2 layers and the embedding, 4 microbatches: 163,840 B)."""
+    bf16 = [*ASYNC, "training.dtype=bfloat16"]
+    got = tp_of(*bf16, "parallelism.tp_mode=ALL_REDUCE")["tp"]["all_reduce"]
+    assert got == 8 * (4 * 2 * 2 * ROWS * HIDDEN * 2 + 2 * ROWS * HIDDEN * 4 + 3 * ROWS * 4) == 658_432
+    assert (
+        tp_of(*bf16, SP)["tp"]["reduce_scatter"]
+        == 8 * (4 * 2 * 2 * ROWS * HIDDEN * 2 + 2 * ROWS * HIDDEN * 4)
+        == 655_360
+    )
+    afab = [*bf16, "parallelism.tp_mode=ALL_REDUCE", "parallelism.dp=2", "parallelism.dp_mode=replicate"]
+    rank0 = tp_of(*afab, "parallelism.pp=2", "parallelism.pp_engine=afab")["tp"]["all_reduce"]
+    assert rank0 == 4 * (2 * 2 * 2 * ROWS * HIDDEN * 2 + ROWS * HIDDEN * 4) == 163_840
+
+
+def test_recompute_replays_the_async_row_reduce_scatter():
+    """The async row linear (o, down under sequence parallelism) is one autograd Function,
+    whose saved tensors torch packs when it returns -- after its reduce-scatter -- so full
+    and selective recompute both run a dense layer's last reduce-scatter again (the sync
+    path's recompute stops before it). tp2 sequence parallel fp32, 8 microbatches: per
+    microbatch 4 layers x 2 x (forward, backward, replay) + the embedding's and the head's
+    32 x 64 x 4 B. Measured at both recompute levels, both ranks, exact; so were the
+    matrix's qwen3_moe hybrid dp4 x tp2 selective run (2 dense layers, 1 microbatch of 64
+    rows in bf16: 163,840 B) and qwen3 bf16 cp2 x tp2 x pp2 1f1b full."""
+    for level in ("full", "selective"):
+        got = tp_of(*ASYNC, SP, f"parallelism.recompute={level}")["tp"]
+        assert got["reduce_scatter"] == 8 * (4 * 2 * 3 + 2) * ROWS * HIDDEN * 4 == 1_703_936, level
+        assert got["all_gather"] == 8 * (4 * 2 * 3 + 2) * HALF * HIDDEN * 4 == 851_968, level
+
+
+def test_v_schedule_weight_passes_rerun_the_async_functions():
+    """Under zbv the async column group is one parameter group (q/k/v's weights, gate/up's,
+    meet the activations at one node: 6 groups in a parity layer, 9 in the sync path), and
+    each weight backward W of it runs the Function's whole backward again: its input
+    gradient's all-reduce (reduce-scatter under sequence parallelism) and, for a row linear
+    under sequence parallelism, the output gradient's all-gather. tp2 x pp2 zbv, fp32, 8
+    microbatches, one layer per stage; rank 0 holds stages 0 (its backward whole: no W) and
+    3 (and the embedding, the head and loss_parallel's sums), rank 1 stages 1 and 2. Measured, every rank, exact: ALL_REDUCE without recompute, and
+    sequence parallelism under full recompute (per W: the weight pass's replay of the layer
+    for each of its 6 groups); so was the matrix's MoE ep2 x tp2 ALL_REDUCE dualpipev full
+    run (an MoE layer: 11 groups, one async group)."""
+    full = ROWS * HIDDEN * 4
+    ar = [
+        c["tp"]["all_reduce"]
+        for c in comm_bytes(load_recipe(PARITY, [*ASYNC, "parallelism.pp=2", "parallelism.pp_engine=zbv"]), "gloo")
+    ]
+    layer = 2 * 2 * full  # forward row outputs and backward input gradients of one layer and microbatch
+    assert (
+        ar
+        == [8 * (2 * layer + 2 * full + 3 * ROWS * 4) + 8 * 2 * full, 8 * 2 * layer + 2 * 8 * 2 * full]
+        == [789_504, 786_432]
+    )
+    over = [*ASYNC, SP, "parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full"]
+    sp = [c["tp"] for c in comm_bytes(load_recipe(PARITY, over), "gloo")]
+    # reduce-scatters of one layer and microbatch: forward 2, backward 2, replay 2; per W of
+    # a layer: 6 groups' replays (2 each) and the column groups' 2 backward reduce-scatters
+    per_w = (6 * 2 + 2) * full
+    assert (
+        [c["reduce_scatter"] for c in sp]
+        == [
+            8 * (2 * 6 + 2) * full + 8 * per_w,
+            8 * 2 * 6 * full + 2 * 8 * per_w,
+        ]
+        == [1_835_008, 2_621_440]
+    )
+    assert (
+        [c["all_gather"] for c in sp]
+        == [
+            8 * (2 * 6 + 2) * full // 2 + 8 * per_w // 2,
+            (8 * 2 * 6 * full + 2 * 8 * per_w) // 2,
+        ]
+        == [917_504, 1_310_720]
+    )
+
+
+def test_fsdp_sums_the_norm_gradients_in_bf16_with_one_microbatch():
+    """FSDP2 redistributes a norm's tp-partial gradient in the gradient's dtype: bf16 with
+    one microbatch per step, fp32 once it has accumulated two (its reduce dtype). dp2 x tp2
+    sequence parallel bf16, microbatches of 4 rows (1 per step): loss_parallel's three sums
+    over 128 tokens in fp32 and the 9 norms' 64-element gradients in bf16. Measured, every
+    rank, exact (4 microbatches: 9 x 256 B, test_fsdp_bf16_puts_every_activation_on_the_wire_in_bf16);
+    so was the matrix's qwen3_moe hybrid run (1 microbatch: its per-head q/k norms in bf16 too)."""
+    one = tp_of(SP, "parallelism.tp=2", "training.dtype=bfloat16", "parallelism.dp=2", "training.micro_batch_size=4")[
+        "tp"
+    ]
+    assert one["all_reduce"] == 3 * 4 * ROWS * 4 + 9 * HIDDEN * 2 == 2_688
