@@ -131,25 +131,12 @@ def reference_run(run: dict[str, str], recipe, documents: str, reference, shared
 # Runs of seed 0's array that fail today (found by this matrix; open, tracked in issue 24's
 # closing note): each still runs and reports XFAIL, or XPASS once fixed.
 KNOWN_FAILURES = {
-    "model=qwen3_moe-tied=tied-shared_expert=32-moe_layers=1_3-dtype=bfloat16-dp=4-dp_mode=hybrid-"
-    "tp=2_reduce_scatter-tp_async=on-recompute=selective": "parity holds; plan's tp bytes are off for bf16 "
-    "FSDP + async sequence parallelism + experts (reduce_scatter 163,840 measured vs 147,456, all_reduce "
-    "422,296 vs 423,576)",
     "model=qwen3_moe-rope=llama3_scaled-shared_expert=32-moe_layers=1_3-documents=masked-dtype=bfloat16-"
     "cp=2-tp=2_all_reduce-tp_async=on-pp=zbv-recompute=full": "bf16: aux_loss 4.45e-3 from dp 2 bf16 at step "
     "6, over BF16_TOL (the bars need a measured bf16 noise floor for 6-step runs across many reductions)",
     "model=deepseek_v3-rope=llama3_scaled-dtype=bfloat16-dp=4-dp_mode=hybrid-tp=2_all_reduce-recompute=full": (
         "bf16: val_loss 2.3e-4 from dp 2 bf16 at step 6, over BF16_TOL (as above)"
     ),
-    "rope=llama3_scaled-tied=tied-dtype=bfloat16-dp=2-dp_mode=replicate-tp=2_all_reduce-tp_async=on-pp=afab-"
-    "compile=compiled": "parity holds; plan's tp bytes for the async ALL_REDUCE path under bf16 autocast "
-    "(all_reduce 163,840 measured vs 229,376 estimated on rank 0)",
-    "model=qwen3-tied=tied-dtype=bfloat16-cp=2-tp=2_reduce_scatter-tp_async=on-pp=1f1b-recompute=full": "parity "
-    "holds since the gloo fix (a rank used to die: two async collectives in flight); plan's bytes for bf16 FSDP "
-    "over cp + async sequence parallelism + full recompute disagree (rank 0, measured 12:07)",
-    "model=moe-rope=llama3_scaled-tied=tied-shared_expert=32-moe_layers=1_3-documents=masked-ep=2-"
-    "tp=2_all_reduce-tp_async=on-pp=dualpipev-recompute=full": "parity holds (~1e-7); plan's tp bytes for the "
-    "async ALL_REDUCE path with experts under dualpipev + full recompute",
     "model=deepseek_v3-rope=llama3_scaled-dtype=bfloat16-ep=2-tp=2_all_reduce-pp=1f1b-compile=compiled": "bf16: "
     "grad_norm 4.7e-3 from dp 2 bf16 at step 6, over BF16_TOL (as above)",
 }
