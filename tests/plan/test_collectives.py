@@ -155,10 +155,9 @@ def test_v_schedule_weight_passes_rerun_the_async_functions():
     gradient's all-reduce (reduce-scatter under sequence parallelism) and, for a row linear
     under sequence parallelism, the output gradient's all-gather. tp2 x pp2 zbv, fp32, 8
     microbatches, one layer per stage; rank 0 holds stages 0 (its backward whole: no W) and
-    3 (and the embedding, the head and loss_parallel's sums), rank 1 stages 1 and 2. Measured, every rank, exact: ALL_REDUCE without recompute, and
-    sequence parallelism under full recompute (per W: the weight pass's replay of the layer
-    for each of its 6 groups); so was the matrix's MoE ep2 x tp2 ALL_REDUCE dualpipev full
-    run (an MoE layer: 11 groups, one async group)."""
+    3 (and the embedding, the head and loss_parallel's sums), rank 1 stages 1 and 2.
+    Measured, every rank, exact: ALL_REDUCE without recompute, and sequence parallelism under
+    full recompute (per W: the weight pass's replay of the layer for each of its 6 groups)."""
     full = ROWS * HIDDEN * 4
     ar = [
         c["tp"]["all_reduce"]
