@@ -13,6 +13,17 @@ from .shapes import weight_groups
 # -- communication -----------------------------------------------------------------------
 
 
+def chunked_async(recipe) -> bool:
+    """tp_linear_async_communication runs parallel/async_tp.py's Functions: its choice in
+    parallel/tensor.py's tp_overlap, "chunked" (CUDA under training.compile with sequence
+    parallelism takes inductor's micro-pipeline rewrite of the sync plan instead, counted
+    as the sync plan)."""
+    p, t = recipe.parallelism, recipe.training
+    if not (p.tp_enabled and p.tp_linear_async_communication):
+        return False
+    return not (t.device == "cuda" and t.compile and p.sequence_parallel)
+
+
 def _kinds(**bytes_by_kind: int) -> dict[str, int]:
     out = {k: int(bytes_by_kind.get(k, 0)) for k in KINDS}
     out["total"] = sum(out.values())
@@ -31,11 +42,11 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     # A column group's input gradient: x's dtype (DTensor reduces the gradient of x), but the
     # async path reduces its matmul's output (compute width: bf16 under autocast, which the
     # trainer's backward runs under too; measured 4,096 B per 32 x 64 all-reduce)
-    grad_in = full_c if p.tp_linear_async_communication else full_f
+    grad_in = full_c if chunked_async(recipe) else full_f
     if not p.sequence_parallel:
         # Rowwise outputs are all-reduced forward; each colwise input's gradient backward
         # (tp_linear_async_communication: one summed gradient per q/k/v or gate/up group).
-        colwise = blocks if p.tp_linear_async_communication else 3 + 2 * (not moe)
+        colwise = blocks if chunked_async(recipe) else 3 + 2 * (not moe)
         fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": colwise * grad_in}
     else:
         fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
@@ -102,7 +113,7 @@ def _weight_groups(recipe, layer: int) -> int:
     (torch groups parameters by the node where they meet the activations)."""
     m = recipe.model
     merged = 0
-    if recipe.parallelism.tp_enabled and recipe.parallelism.tp_linear_async_communication:
+    if chunked_async(recipe):
         merged = 2 + (not (m.num_local_experts and m.is_moe_layer(layer)))
     return weight_groups(m, layer) - merged
 
@@ -130,7 +141,7 @@ def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
     z, p = sizes(recipe), recipe.parallelism
     if moe:
         return {k: n for k, n in fwd.items() if k != "all_gather" or p.sequence_parallel}
-    if p.sequence_parallel and p.tp_linear_async_communication:
+    if p.sequence_parallel and chunked_async(recipe):
         # the async row linear is one autograd Function: its saved tensors are packed once it
         # returns, after its reduce-scatter, so recompute runs that too
         return fwd
@@ -145,7 +156,7 @@ def _async_weight_pass(recipe, moe: bool) -> dict:
     row linear's (its output gradient's all-gather). One group per block (attention, and a
     dense layer's feed-forward)."""
     p, z = recipe.parallelism, sizes(recipe)
-    if not (p.tp_enabled and p.tp_linear_async_communication):
+    if not chunked_async(recipe):
         return {}
     blocks, full_c = 1 if moe else 2, z.tokens * z.hidden * z.compute
     if not p.sequence_parallel:

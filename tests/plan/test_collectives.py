@@ -228,3 +228,18 @@ def test_async_moe_layer_under_dualpipev_full_recompute():
     assert (
         got[0]["tp"]["all_reduce"] - sync[0]["tp"]["all_reduce"] == -2 * (full + stats) - 4 * (2 + 2 + 1) * full + full
     )
+
+
+def test_cuda_micro_pipeline_tp_is_counted_as_the_sync_plan():
+    """On CUDA under training.compile with sequence parallelism the async key takes
+    inductor's micro-pipeline rewrite of the sync plan (parallel/tensor.py tp_overlap), not
+    the Functions the tests above measured: the estimate is the sync plan's (not measured:
+    no GPU here), and the chunked Functions' model stays on for ALL_REDUCE there."""
+    cuda = ["training.device=cuda", "training.compile=true", "parallelism.recompute=full", "training.dtype=bfloat16"]
+    over = ["parallelism.tp=2", "parallelism.pp=2", *cuda]
+    for mode, same in ((SP, True), ("parallelism.tp_mode=ALL_REDUCE", False)):
+        sync, chunked = (
+            comm_bytes(load_recipe(PARITY, [*over, mode, f"parallelism.tp_linear_async_communication={on}"]), "nccl")
+            for on in ("false", "true")
+        )
+        assert ([c["tp"] for c in sync] == [c["tp"] for c in chunked]) == same, mode
