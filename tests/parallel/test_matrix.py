@@ -166,8 +166,11 @@ KNOWN_FAILURES = {
     "model=moe-rope=llama3_scaled-tied=tied-shared_expert=32-moe_layers=1_3-documents=masked-ep=2-"
     "tp=2_all_reduce-tp_async=on-pp=dualpipev-recompute=full": "parity holds (~1e-7); plan's tp bytes for the "
     "async ALL_REDUCE path with experts under dualpipev + full recompute",
-    "model=deepseek_v3-rope=llama3_scaled-dtype=bfloat16-ep=2-tp=2_all_reduce-pp=1f1b-compile=compiled": "bf16: "
-    "grad_norm 4.7e-3 from dp 2 bf16 at step 6, over BF16_TOL (as above)",
+    "model=deepseek_v3-rope=llama3_scaled-dtype=bfloat16-ep=2-tp=2_all_reduce-pp=1f1b-compile=compiled": "bf16 "
+    "compiled: grad_norm at step 6 is 5.1e-3 from fp32 (dp 2 bf16, its reference, 4.4e-4: over bf16_bars). Measured "
+    "13:11: its fp32 twin (same mesh, compiled) matches one process to 1e-6 at every step; the same run eager in "
+    "bf16 is 2.5e-3 from fp32 (within the bars); compiled and eager bf16 at the same mesh differ by 7.6e-3 -- "
+    "inductor's fused kernels round bf16 differently, with no measured bar for compiled bf16 yet",
 }
 
 
