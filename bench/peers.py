@@ -1,6 +1,6 @@
 """dtensor3d side by side with what a user would pick instead, in one session (issue 25):
 
-    python bench/peers.py [--rounds 3] [--steps 6] [--quick]
+    python bench/peers.py [--rounds 3] [--steps 6] [--quick] [--only 'tp 2']
 
 Rows (the same model shape and global batch on both sides, one thread per rank, fp32, CPU):
   world 1   plain transformers LlamaForCausalLM + torch AdamW    vs dtensor3d world 1
@@ -304,6 +304,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, one round, 3 steps (the suite's run)")
+    ap.add_argument("--only", help="only the rows whose name starts with this, e.g. 'tp 2' or 'generate'")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tasks", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -321,12 +322,13 @@ def main() -> None:
     peers = {"plain": "transformers + AdamW", "ddp": "DDP loop", "fsdp": "FSDP2 loop", "tp": "transformers tp"}
     peers["fsdp_never"] = "FSDP2 loop, no reshard"
     for name, _, kind, _ in ROWS:
-        print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
-    world1 = statistics.median(results["world 1"][0])
+        if name in results:
+            print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
     for name, got in scaled.items():
-        eff = statistics.median(got) / (2 * world1)
+        eff = statistics.median(got) / (2 * statistics.median(results["world 1"][0]))
         print(f"{name}: parallel efficiency (global batch x2: tokens/s / 2 x world 1) {eff:.2f}", flush=True)
-    generate_rows(args, ckpt)
+    if "generate".startswith(args.only or ""):
+        generate_rows(args, ckpt)
 
 
 def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
@@ -334,11 +336,12 @@ def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
     {row: [dtensor3d tok/s at twice the global batch]} (world 1's work on each rank: what
     parallel efficiency compares). Per job: each row's peer, then dtensor3d, in the same
     processes."""
-    results: dict[str, tuple[list, list]] = {name: ([], []) for name, *_ in ROWS}
-    scaled: dict[str, list] = {name: [] for name, *_ in ROWS if name.startswith("dp 2")}
+    chosen = [r for r in ROWS if r[0].startswith(args.only or "")]
+    results: dict[str, tuple[list, list]] = {name: ([], []) for name, *_ in chosen}
+    scaled: dict[str, list] = {name: [] for name, *_ in chosen if name.startswith("dp 2") and "world 1" in results}
     for _ in range(args.rounds):
-        for ranks in (1, 2):
-            rows = [r for r in ROWS if r[1] == ranks]
+        for ranks in sorted({r[1] for r in chosen}):
+            rows = [r for r in chosen if r[1] == ranks]
             tasks = [t for name, _, kind, o in rows for t in ([f"peer {name}", kind, []], [name, "ours", o])]
             tasks += [[f"x2 {name}", "ours_x2", o] for name, _, _, o in rows if name in scaled]
             got = run_job(ranks, tasks, args, ckpt)

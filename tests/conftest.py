@@ -116,7 +116,8 @@ SLOW_IN_QUICK_FILES = {
     "test_matrix_parity",
     "test_config_tiny_llama_runs_through_launch_sh_with_its_two_stages",
     "test_async_tp_matches_the_key_off_and_overlaps",
-    "test_async_tp_compiled_at_dp2_tp2",
+    "test_async_tp_compiled_at_tp2",
+    "test_async_tp_at_dp2_tp2_eager_and_compiled",
     "test_document_masking_parity_across_meshes",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run

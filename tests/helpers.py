@@ -209,16 +209,17 @@ def scheduled_lrs(recipe_path: str, overrides: list[str]) -> list[float]:
 
 
 def assert_parity(
-    got: list[dict], ref: list[dict], lrs: list[float], keys=("loss", "grad_norm"), tol: float | dict = TOL
+    got: list[dict], ref: list[dict], lrs: list[float], keys=("loss", "grad_norm"), tol: float | dict | list = TOL
 ) -> dict[str, float]:
     """Every step within `tol` (TOL unless a run computes otherwise: bf16, compiled; a dict:
-    per key, val_loss as loss) and both runs on the schedule `lrs`; returns the largest
-    relative difference of each key."""
+    per key, val_loss as loss; a list: one such dict per step) and both runs on the schedule
+    `lrs`; returns the largest relative difference of each key."""
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, len(lrs) + 1))
-    bar = tol if isinstance(tol, dict) else dict.fromkeys((*keys, "val_loss"), tol)
-    bar.setdefault("val_loss", bar["loss"])
+    bars = tol if isinstance(tol, list) else [tol] * len(ref)
     worst = dict.fromkeys(keys, 0.0)
-    for g, r in zip(got, ref):
+    for g, r, step_tol in zip(got, ref, bars):
+        bar = dict(step_tol) if isinstance(step_tol, dict) else dict.fromkeys((*keys, "val_loss"), step_tol)
+        bar.setdefault("val_loss", bar["loss"])
         for key in keys:
             rel = abs(g[key] - r[key]) / abs(r[key])
             assert rel <= bar[key], f"step {r['step']} {key}: {g[key]!r} vs 1-process {r[key]!r} (rel {rel:.2e})"

@@ -1,6 +1,6 @@
 """tp_linear_async_communication (parallel/async_tp.py): parity with the key off, eager and
-compiled, and the overlap itself (a 2-rank run at tp 2 and a 4-rank run at dp 2 x tp 2, both
-tp modes), and which path the key takes where (no processes: the switch's logic, the CUDA
+compiled, at tp 2 and dp 2 x tp 2 in both tp modes, and the overlap itself (a 2-rank job and
+a 4-rank job), and which path the key takes where (no processes: the switch's logic, the CUDA
 branch included)."""
 
 import json
@@ -28,10 +28,9 @@ def async_runs(ranks: int, setups: str, *overrides: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2():
-    """tp 2, both tp modes, two steps each with the key off and on, in one process pair. (The
-    key on under training.compile runs at dp 2 x tp 2 below: each rank's compiled blocks are
-    tp 2's, with FSDP2 around them; a tp 2 compiled job as well would add ~60 s of inductor.)"""
-    return async_runs(2, "off,on")
+    """tp 2, both tp modes, two steps each with the key off, on, and on under training.compile,
+    in one process pair."""
+    return async_runs(2, "off,on,on_compiled")
 
 
 def assert_matches(got: dict, ref: dict, tol: float) -> None:
@@ -73,12 +72,21 @@ def test_one_collective_in_flight_on_gloo():
     assert _slices(8, cuda=True) == [slice(0, 4), slice(4, 8)]
 
 
-def test_async_tp_compiled_at_dp2_tp2(tp2):
-    """dp 2 x tp 2 (FSDP2 over the overlapped projections' DTensor weights, outside the
-    compiled blocks), the key on under training.compile, both tp modes: within COMPILE_TOL of
-    tp 2 with the key off, eager (the same global batches: topology independence)."""
-    got = async_runs(4, "on_compiled", "parallelism.dp=2")
+def test_async_tp_compiled_at_tp2(tp2):
+    """tp 2, the key on under training.compile, both tp modes: each block one graph, within
+    COMPILE_TOL of the key off, eager."""
     for mode in MODES:
+        assert_matches(tp2[(mode, "on_compiled")], tp2[(mode, "off")], COMPILE_TOL)
+
+
+def test_async_tp_at_dp2_tp2_eager_and_compiled(tp2):
+    """dp 2 x tp 2 (FSDP2 over the overlapped projections' DTensor weights, outside the
+    compiled blocks), the key on, eager and under training.compile, both tp modes: within TOL
+    (eager) and COMPILE_TOL (compiled) of tp 2 with the key off, eager (the same global
+    batches: topology independence)."""
+    got = async_runs(4, "on,on_compiled", "parallelism.dp=2")
+    for mode in MODES:
+        assert_matches(got[(mode, "on")], tp2[(mode, "off")], TOL)
         assert_matches(got[(mode, "on_compiled")], tp2[(mode, "off")], COMPILE_TOL)
 
 
