@@ -149,13 +149,7 @@ def reference_run(run: dict[str, str], recipe, documents: str, reference, shared
 
 # Runs of seed 0's array that fail today (found by this matrix; open, tracked in issue 24's
 # closing note): each still runs and reports XFAIL, or XPASS once fixed.
-KNOWN_FAILURES = {
-    "model=qwen3_moe-rope=llama3_scaled-shared_expert=32-moe_layers=1_3-documents=masked-dtype=bfloat16-"
-    "cp=2-tp=2_all_reduce-tp_async=on-pp=zbv-recompute=full": "parity holds (aux_loss 4.45e-3 from its bf16 "
-    "reference at step 6, within bf16_bars of fp32); plan's bytes with experts under async ALL_REDUCE, cp and zbv + "
-    "full recompute (rank 0: tp all_reduce 613,504 measured vs 630,976, cp all_gather 156,672 vs 175,104, cp "
-    "all_reduce 41,472 vs 42,560)",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def matrix_params() -> list:

@@ -190,6 +190,13 @@ def test_v_schedule_weight_passes_rerun_the_async_functions():
         ]
         == [917_504, 1_310_720]
     )
+    # cp's k/v gathers are replayed per weight group too: cp2 x tp2 ALL_REDUCE x pp2 zbv full,
+    # 16 local tokens x (k + v: 2 local kv heads of 8 each) fp32 per gather; measured on all 8
+    # ranks, exact (tp and cp), as was the matrix's qwen3_moe cp2 x tp2 async zbv run
+    kv = HALF * 32 * 4
+    cp = ["parallelism.cp=2", "parallelism.tp_mode=ALL_REDUCE", "parallelism.pp=2", "parallelism.pp_engine=zbv"]
+    got = comm_bytes(load_recipe(PARITY, [*ASYNC, *cp, "parallelism.recompute=full"]), "gloo")
+    assert [c["cp"]["all_gather"] for c in got] == [(2 * 8 + 2 * 8 + 6 * 8) * kv, 2 * (2 * 8 + 6 * 8) * kv]
 
 
 def test_fsdp_sums_the_norm_gradients_in_bf16_with_one_microbatch():
