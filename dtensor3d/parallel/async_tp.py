@@ -86,6 +86,8 @@ class _ColumnGroup(torch.autograd.Function):
     def backward(ctx, *grads):
         full, *weights = ctx.saved_tensors
         group, tp, sp = ctx.comm
+        if not _input_grad_wanted(ctx):  # a split weight backward: no input gradient, no collective
+            return (None, None, None, None, None, *_weight_grads(full, grads, ctx.has_bias))
         if sp:  # the input gradient chunk by chunk, each chunk's reduce-scatter issued at once
             b, s = full.shape[:2]
             views = [g.reshape(b, tp, s // tp, -1) for g in grads]
@@ -95,13 +97,29 @@ class _ColumnGroup(torch.autograd.Function):
             ]
         else:  # one all-reduce of the summed input gradient
             pieces = funcol.all_reduce(sum(g @ w for g, w in zip(grads, weights)), "sum", group)
-        flat = full.reshape(-1, full.shape[-1])
-        params = []
-        for g, has_bias in zip(grads, ctx.has_bias):  # the weight gradients while it travels
-            g2 = g.reshape(-1, g.shape[-1])
-            params += [g2.t() @ flat, g2.sum(0) if has_bias else None]
+        params = _weight_grads(full, grads, ctx.has_bias)  # while it travels
         grad_x = _scattered(pieces) if sp else funcol.wait_tensor(pieces)
         return (grad_x, None, None, None, None, *params)
+
+
+def _weight_grads(full: torch.Tensor, grads, has_bias: list[bool]) -> list:
+    flat, params = full.reshape(-1, full.shape[-1]), []
+    for g, bias in zip(grads, has_bias):
+        g2 = g.reshape(-1, g.shape[-1])
+        params += [g2.t() @ flat, g2.sum(0) if bias else None]
+    return params
+
+
+def _input_grad_wanted(ctx) -> bool:
+    """Whether this backward's graph task reads the input's gradient. The V schedules' weight
+    backward (torch.distributed.pipelining: autograd.grad to the weights alone) does not:
+    without this check it all-reduced (reduce-scattered) the input gradient a second time
+    and threw it away. Always under torch.compile, which traces backward ahead of time (and
+    refuses the V schedules)."""
+    if torch.compiler.is_compiling():
+        return True
+    node = ctx.next_functions[0][0]
+    return node is not None and torch._C._will_engine_execute_node(node)
 
 
 def _slices(rows: int, cuda: bool) -> list[slice]:

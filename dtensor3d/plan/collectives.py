@@ -150,18 +150,14 @@ def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
 
 
 def _async_weight_pass(recipe, moe: bool) -> dict:
-    """A layer's collectives in each weight backward W of the async tp path: the column
-    group's Function runs its whole backward again (its input gradient's all-reduce, or
-    reduce-scatter under sequence parallelism), and under sequence parallelism so does each
-    row linear's (its output gradient's all-gather). One group per block (attention, and a
-    dense layer's feed-forward)."""
+    """A layer's collectives in each weight backward W of the async tp path: under sequence
+    parallelism each row linear's Function (o; a dense layer's down) gathers its output
+    gradient again, which its weight gradient reads. A column group's W skips its input
+    gradient and that gradient's collective (async_tp._input_grad_wanted)."""
     p, z = recipe.parallelism, sizes(recipe)
-    if not chunked_async(recipe):
+    if not (chunked_async(recipe) and p.sequence_parallel):
         return {}
-    blocks, full_c = 1 if moe else 2, z.tokens * z.hidden * z.compute
-    if not p.sequence_parallel:
-        return {"all_reduce": blocks * full_c}
-    return {"reduce_scatter": blocks * full_c, "all_gather": blocks * z.seq_tokens * z.hidden * z.compute}
+    return {"all_gather": (1 if moe else 2) * z.seq_tokens * z.hidden * z.compute}
 
 
 def _sum(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
