@@ -112,3 +112,40 @@ def test_the_async_key_picks_its_path_per_device():
     }
     # ALL_REDUCE: the row-parallel outputs keep torch's RowwiseParallel (all-reduce forward)
     assert set(tp_plan(False, overlapped=True)[1]) >= {"self_attn.o_proj", "mlp.down_proj"}
+
+
+def test_a_weight_backward_sends_no_input_gradient():
+    """pipelining's split weight backward (zbv, dualpipev: autograd.grad to the weights alone)
+    runs a column group's backward without its input gradient: no all-reduce, the same weight
+    gradients (it used to all-reduce the input gradient again and drop it). One process, a
+    real one-rank gloo group; the whole backward and one to the input still all-reduce once."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dtensor3d.parallel.async_tp import _ColumnGroup
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.all_reduces = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.all_reduces += func._schema.name == "_c10d_functional::all_reduce"
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(2, 4, 8, requires_grad=True) * 1.0  # not a leaf: the engine's node
+        w = [torch.randn(6, 8, requires_grad=True) for _ in range(2)]
+        ys = _ColumnGroup.apply(x, dist.group.WORLD.group_name, 1, 0, False, w[0], None, w[1], None)
+        loss = sum((y * y).sum() for y in ys)
+        got = {}
+        for name, inputs in (("weights", w), ("input", [x]), ("whole", [x, *w])):
+            with Count() as count:
+                got[name] = (torch.autograd.grad(loss, inputs, retain_graph=True), count.all_reduces)
+    finally:
+        dist.destroy_process_group()
+    assert [got[k][1] for k in ("weights", "input", "whole")] == [0, 1, 1]
+    for a, b in zip(got["weights"][0], got["whole"][0][1:], strict=True):
+        assert torch.equal(a, b)

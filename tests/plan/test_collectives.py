@@ -148,45 +148,42 @@ def test_recompute_replays_the_async_row_reduce_scatter():
         assert got["all_gather"] == 8 * (4 * 2 * 3 + 2) * HALF * HIDDEN * 4 == 851_968, level
 
 
-def test_v_schedule_weight_passes_rerun_the_async_functions():
+def test_v_schedule_weight_passes_of_the_async_functions():
     """Under zbv the async column group is one parameter group (q/k/v's weights, gate/up's,
-    meet the activations at one node: 6 groups in a parity layer, 9 in the sync path), and
-    each weight backward W of it runs the Function's whole backward again: its input
-    gradient's all-reduce (reduce-scatter under sequence parallelism) and, for a row linear
-    under sequence parallelism, the output gradient's all-gather. tp2 x pp2 zbv, fp32, 8
-    microbatches, one layer per stage; rank 0 holds stages 0 (its backward whole: no W) and
-    3 (and the embedding, the head and loss_parallel's sums), rank 1 stages 1 and 2.
-    Measured, every rank, exact: ALL_REDUCE without recompute, and sequence parallelism under
-    full recompute (per W: the weight pass's replay of the layer for each of its 6 groups)."""
+    meet the activations at one node: 6 groups in a parity layer, 9 in the sync path); its
+    weight backward W sends nothing (no input gradient: async_tp._input_grad_wanted), while a
+    row linear's W under sequence parallelism gathers its output gradient again (its weight
+    gradient reads it). tp2 x pp2 zbv, fp32, 8 microbatches, one layer per stage; rank 0
+    holds stages 0 (its backward whole: no W) and 3 (and the embedding, the head and
+    loss_parallel's sums), rank 1 stages 1 and 2. Measured, every rank, exact: ALL_REDUCE
+    without recompute, and sequence parallelism under full recompute (per W: the weight
+    pass's replay of the layer for each of its 6 groups). Before the trainer skipped the
+    input gradient, each W all-reduced it again: 789,504 and 786,432 B measured."""
     full = ROWS * HIDDEN * 4
     ar = [
         c["tp"]["all_reduce"]
         for c in comm_bytes(load_recipe(PARITY, [*ASYNC, "parallelism.pp=2", "parallelism.pp_engine=zbv"]), "gloo")
     ]
     layer = 2 * 2 * full  # forward row outputs and backward input gradients of one layer and microbatch
-    assert (
-        ar
-        == [8 * (2 * layer + 2 * full + 3 * ROWS * 4) + 8 * 2 * full, 8 * 2 * layer + 2 * 8 * 2 * full]
-        == [789_504, 786_432]
-    )
+    assert ar == [8 * (2 * layer + 2 * full + 3 * ROWS * 4), 8 * 2 * layer] == [658_432, 524_288]
     over = [*ASYNC, SP, "parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.recompute=full"]
     sp = [c["tp"] for c in comm_bytes(load_recipe(PARITY, over), "gloo")]
-    # reduce-scatters of one layer and microbatch: forward 2, backward 2, replay 2; per W of
-    # a layer: 6 groups' replays (2 each) and the column groups' 2 backward reduce-scatters
-    per_w = (6 * 2 + 2) * full
+    # one layer and microbatch: forward 2, backward 2, replay 2 of each kind (half the rows
+    # gathered); per W of a layer: 6 groups' replays and the 2 row gradients' gathers
+    layer, w_rs, w_ag = 6 * full, 6 * 2 * full, (6 * 2 + 2) * full // 2
     assert (
         [c["reduce_scatter"] for c in sp]
         == [
-            8 * (2 * 6 + 2) * full + 8 * per_w,
-            8 * 2 * 6 * full + 2 * 8 * per_w,
+            8 * (2 * layer + 2 * full) + 8 * w_rs,
+            8 * 2 * layer + 2 * 8 * w_rs,
         ]
-        == [1_835_008, 2_621_440]
+        == [1_703_936, 2_359_296]
     )
     assert (
         [c["all_gather"] for c in sp]
         == [
-            8 * (2 * 6 + 2) * full // 2 + 8 * per_w // 2,
-            (8 * 2 * 6 * full + 2 * 8 * per_w) // 2,
+            8 * (2 * layer + 2 * full) // 2 + 8 * w_ag,
+            8 * 2 * layer // 2 + 2 * 8 * w_ag,
         ]
         == [917_504, 1_310_720]
     )
@@ -214,13 +211,14 @@ def test_fsdp_sums_the_norm_gradients_in_bf16_with_one_microbatch():
 
 def test_async_moe_layer_under_dualpipev_full_recompute():
     """An MoE layer's async attention merges q/k/v into one weight group (11 of 13: 2 norms,
-    the group, o, the router, 3 expert tensors, 3 shared-expert linears) and reruns its
-    all-reduce in each weight backward. The matrix's MoE ep2 x tp2 ALL_REDUCE x pp2 dualpipev
-    full run (4 microbatches; rank 0: dense layer 0 on stage 0, MoE layer 3 on stage 3, one
-    W there) measured 835,612 B of tp all-reduces on rank 0, exact. Against the sync path:
-    2 fewer replays of layer 3 (its attention output's all-reduce and its 17 routing sums),
-    2 fewer input-gradient all-reduces per microbatch in each layer's attention (1 group, not
-    q, k, v) and 1 in layer 0's feed-forward (gate/up), and one more in the W."""
+    the group, o, the router, 3 expert tensors, 3 shared-expert linears), whose weight
+    backward sends nothing. The matrix's MoE ep2 x tp2 ALL_REDUCE x pp2 dualpipev full run
+    (4 microbatches; rank 0: dense layer 0 on stage 0, MoE layer 3 on stage 3, one W there)
+    measured 827,420 B of tp all-reduces on rank 0, exact (835,612 before the W stopped
+    all-reducing the input gradient again). Against the sync path: 2 fewer replays of layer 3
+    (its attention output's all-reduce and its 17 routing sums), 2 fewer input-gradient
+    all-reduces per microbatch in each layer's attention (1 group, not q, k, v) and 1 in
+    layer 0's feed-forward (gate/up)."""
     from helpers import MOE
 
     run = [*ASYNC[:1], "parallelism.ep=2", "parallelism.tp_mode=ALL_REDUCE", "parallelism.pp=2"]
@@ -231,10 +229,8 @@ def test_async_moe_layer_under_dualpipev_full_recompute():
         for on in ("false", "true")
     )
     full, stats = ROWS * HIDDEN * 4, 17 * 4
-    assert got[0]["tp"]["all_reduce"] == 835_612
-    assert (
-        got[0]["tp"]["all_reduce"] - sync[0]["tp"]["all_reduce"] == -2 * (full + stats) - 4 * (2 + 2 + 1) * full + full
-    )
+    assert got[0]["tp"]["all_reduce"] == 827_420
+    assert got[0]["tp"]["all_reduce"] - sync[0]["tp"]["all_reduce"] == -2 * (full + stats) - 4 * (2 + 2 + 1) * full
 
 
 def test_cuda_micro_pipeline_tp_is_counted_as_the_sync_plan():
