@@ -14,7 +14,9 @@ for when the result is needed):
   the input gradient is computed chunk by chunk and each chunk's reduce-scatter issued at
   once, the weight gradients computed while they travel.
 - a column group under ALL_REDUCE: backward issues the input gradient's all-reduce (one
-  for the group) and computes the weight gradients while it travels.
+  for the group) and computes the weight gradients while it travels. A backward to the
+  weights alone (the V schedules' split weight pass) computes no input gradient and sends
+  nothing.
 - a row linear (o, down) under sequence parallelism: the partial output is computed chunk by
   chunk, each chunk's reduce-scatter issued at once (the next chunk's matmul runs while it
   travels); backward all-gathers the output gradient in chunks, the rank's own rows first.
