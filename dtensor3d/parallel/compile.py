@@ -31,6 +31,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch._functorch.config as functorch_config
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
@@ -102,8 +104,18 @@ def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
     """Compile each of `compile_targets` in place (one dynamo graph per block: each block is
     its own module, so n blocks trace n graphs). Hitting dynamo's recompile limit raises
-    instead of quietly running the block eager (torch's default)."""
+    instead of quietly running the block eager (torch's default).
+
+    With more than one rank, AOTAutograd's on-disk cache is off (inductor's own FX graph cache
+    stays on): torch 2.13 bakes a process group's name into the compiled graph ('27' for one
+    tp group) but leaves it out of AOTAutograd's cache key, so on a warm cache (every rank of
+    a host shares /tmp/torchinductor_<user>) a rank of another tp group loads that graph and
+    stops at its first forward ("Could not resolve the process group registered under the
+    name 27"; found by tests/parallel/test_matrix.py run twice: the deepseek dp 2 x tp 2 x
+    pp 2 interleaved, full recompute, compiled run)."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        functorch_config.enable_autograd_cache = False
     for name, target in compile_targets(model):
         if getattr(target, "recompute", "none") == "full":
             # A dense block under full recompute: its body, under an eager checkpoint (module docstring)

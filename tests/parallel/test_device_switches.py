@@ -6,11 +6,14 @@ tests/models/test_moe.py's."""
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
+import torch.distributed as dist
 from helpers import MOE, PARITY
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtensor3d.config.load import load_recipe
 from dtensor3d.models import build_on_meta
-from dtensor3d.parallel.compile import compile_backend, compile_targets
+from dtensor3d.parallel.compile import apply_compile, compile_backend, compile_targets
 from dtensor3d.parallel.data import fsdp_policy
 
 
@@ -35,3 +38,21 @@ def test_compile_backend_and_targets_per_device():
     targets = compile_targets(moe)
     assert [n for n, _ in targets] == [f"model.layers.{i}.self_attn" for i in moe.model.layers]
     assert all(t is moe.model.layers[n.split(".")[2]].self_attn for n, t in targets)
+
+
+def test_autograd_cache_off_with_more_than_one_rank(monkeypatch):
+    """One process keeps AOTAutograd's on-disk cache; a world of 2 (torch's in-process fake
+    process group: only the world size is read) turns it off, as every rank of a real run
+    does (parallel/compile.py `apply_compile`: a warm cache handed ranks of one tp group
+    another group's graph, matrix run 15 lost 4 of 8 ranks at step 1)."""
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", False)
+    model = build_on_meta(load_recipe(PARITY).model)
+    apply_compile(model)
+    assert functorch_config.enable_autograd_cache
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        apply_compile(model)
+    finally:
+        dist.destroy_process_group()
+    assert not functorch_config.enable_autograd_cache
