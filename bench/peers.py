@@ -14,9 +14,11 @@ Rows (the same model shape and global batch on both sides, one thread per rank, 
             (each with tp_linear_async_communication off and on)
   generate  tokens/s of greedy generation after start-up, and the seconds of a whole
             one-token process: transformers' from_pretrained + generate vs dtensor3d generate
-Each round runs one torchrun job per world size; in it each row's peer, then dtensor3d, in the
-same processes; each times the median step after the first. Parallel efficiency (dp 2 rows):
-dtensor3d's tokens/s at twice the global batch (each rank doing world 1's work) against twice
+Each round runs one torchrun job per world size; in it each row's peer and dtensor3d in the
+same processes, the peer first in even rounds and dtensor3d first in odd ones (so neither side
+always runs later in a process); each times the median step after the first. Parallel
+efficiency (dp 2 rows): dtensor3d's tokens/s at twice the global batch (each rank doing world
+1's work), each in a fresh 2-rank job as world 1 is in a fresh 1-rank job, against twice
 world 1's. Ratio = dtensor3d / peer (above
 1: dtensor3d faster). `--quick`: tiny shapes, one round (the suite runs it; it checks every
 row has a number, no time asserted).
@@ -294,9 +296,13 @@ def one_token_seconds(ckpt: str) -> tuple[float, float]:
 
 
 def line(name: str, peer_name: str, ours_v: list[float], peer_v: list[float], unit: str, higher: bool = True) -> str:
+    """A row: the medians over rounds, their ratio, and with several rounds the range of the
+    ratios round by round (each round's two runs measured side by side)."""
     o, p = statistics.median(ours_v), statistics.median(peer_v)
     ratio = o / p if higher else p / o
-    return f"{name:28s} dtensor3d {o:10,.1f} {unit:6s} {peer_name:30s} {p:10,.1f} {unit:6s} ratio {ratio:5.2f}"
+    text = f"{name:28s} dtensor3d {o:10,.1f} {unit:6s} {peer_name:30s} {p:10,.1f} {unit:6s} ratio {ratio:5.2f}"
+    per_round = [a / b if higher else b / a for a, b in zip(ours_v, peer_v)]
+    return text + (f"  (rounds {min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else "")
 
 
 def main() -> None:
@@ -304,7 +310,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, one round, 3 steps (the suite's run)")
-    ap.add_argument("--only", help="only the rows whose name starts with this, e.g. 'tp 2' or 'generate'")
+    ap.add_argument("--only", help="rows whose name starts with one of these (comma-separated): 'tp 2', 'world 1,dp 2'")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tasks", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -326,31 +332,40 @@ def main() -> None:
             print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
     for name, got in scaled.items():
         eff = statistics.median(got) / (2 * statistics.median(results["world 1"][0]))
-        print(f"{name}: parallel efficiency (global batch x2: tokens/s / 2 x world 1) {eff:.2f}", flush=True)
-    if "generate".startswith(args.only or ""):
+        per_round = [x / (2 * w) for x, w in zip(got, results["world 1"][0])]
+        spread = f"  (rounds {min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
+        print(f"{name}: parallel efficiency (global batch x2: tokens/s / 2 x world 1) {eff:.2f}{spread}", flush=True)
+    if any("generate".startswith(p) for p in (args.only or "").split(",")):
         generate_rows(args, ckpt)
 
 
 def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
     """{row: ([dtensor3d tok/s per round], [peer tok/s per round])} and, for the dp 2 rows,
     {row: [dtensor3d tok/s at twice the global batch]} (world 1's work on each rank: what
-    parallel efficiency compares). Per job: each row's peer, then dtensor3d, in the same
-    processes."""
-    chosen = [r for r in ROWS if r[0].startswith(args.only or "")]
+    parallel efficiency compares). Per round and world size, one job runs the rows: each row's
+    peer and dtensor3d in the same processes, in alternating order from round to round; each
+    efficiency run gets a job of its own (fresh processes, as world 1 has)."""
+    chosen = [r for r in ROWS if r[0].startswith(tuple((args.only or "").split(",")))]
     results: dict[str, tuple[list, list]] = {name: ([], []) for name, *_ in chosen}
     scaled: dict[str, list] = {name: [] for name, *_ in chosen if name.startswith("dp 2") and "world 1" in results}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for ranks in sorted({r[1] for r in chosen}):
             rows = [r for r in chosen if r[1] == ranks]
-            tasks = [t for name, _, kind, o in rows for t in ([f"peer {name}", kind, []], [name, "ours", o])]
-            tasks += [[f"x2 {name}", "ours_x2", o] for name, _, _, o in rows if name in scaled]
-            got = run_job(ranks, tasks, args, ckpt)
+            got = run_job(ranks, [t for row in rows for t in row_tasks(row, ours_first=round_ % 2 == 1)], args, ckpt)
             for name, *_ in rows:
                 results[name][0].append(tokens / got[name])
                 results[name][1].append(tokens / got[f"peer {name}"])
-                if name in scaled:
-                    scaled[name].append(2 * tokens / got[f"x2 {name}"])
+        for name, _, _, overrides in (r for r in chosen if r[0] in scaled):
+            got = run_job(2, [[f"x2 {name}", "ours_x2", overrides]], args, ckpt)
+            scaled[name].append(2 * tokens / got[f"x2 {name}"])
     return results, scaled
+
+
+def row_tasks(row: tuple, ours_first: bool) -> list:
+    """A row's two tasks for run_job: its peer and dtensor3d, in the order given."""
+    name, _, kind, overrides = row
+    pair = [[f"peer {name}", kind, []], [name, "ours", overrides]]
+    return pair[::-1] if ours_first else pair
 
 
 def generate_rows(args, ckpt: str) -> None:
