@@ -14,12 +14,12 @@ Rows (the same model shape and global batch on both sides, one thread per rank, 
             (each with tp_linear_async_communication off and on)
   generate  tokens/s of greedy generation after start-up, and the seconds of a whole
             one-token process: transformers' from_pretrained + generate vs dtensor3d generate
-Each round runs one torchrun job per world size; in it each row's peer and dtensor3d in the
-same processes, the peer first in even rounds and dtensor3d first in odd ones (so neither side
-always runs later in a process); each times the median step after the first. Parallel
-efficiency (dp 2 rows): dtensor3d's tokens/s at twice the global batch (each rank doing world
-1's work), each in a fresh 2-rank job as world 1 is in a fresh 1-rank job, against twice
-world 1's. Ratio = dtensor3d / peer (above
+Each round runs one torchrun job per world size; in it each row's peer and dtensor3d are
+built side by side in the same processes and stepped in turn, step by step (peer, ours, ours,
+peer, ...), so both sides see the machine in the same seconds; each side's median step after
+the first. Parallel efficiency (dp 2 rows): dtensor3d's tokens/s at twice the global batch
+(each rank doing world 1's work), each in a fresh 2-rank job as world 1 is in a fresh 1-rank
+job, against twice world 1's. Ratio = dtensor3d / peer (above
 1: dtensor3d faster). `--quick`: tiny shapes, one round (the suite runs it; it checks every
 row has a number, no time asserted).
 """
@@ -27,6 +27,7 @@ row has a number, no time asserted).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -89,17 +90,21 @@ def recipe_for(shape: dict, overrides: list[str]):
 
 def ours(shape: dict, overrides: list[str], steps: int) -> list[float]:
     """One rank of dtensor3d's own setup and train_step: each step's seconds."""
+    return list(itertools.islice(ours_steps(shape, overrides), steps))
+
+
+def ours_steps(shape: dict, overrides: list[str]):
+    """dtensor3d's setup, then one train_step per next(): its seconds."""
     from dtensor3d.datasets.sources import make_source
     from dtensor3d.training.train import rank_batch, setup, train_step
 
     state = setup(recipe_for(shape, overrides))
-    source, times = make_source(state.recipe), []
-    for step in range(steps):
+    source = make_source(state.recipe)
+    for step in itertools.count():
         batch = rank_batch(state, source, step)
         start = time.perf_counter()
         train_step(state, batch)
-        times.append(time.perf_counter() - start)
-    return times
+        yield time.perf_counter() - start
 
 
 def peer_model(kind: str, shape: dict, ckpt: str):
@@ -145,7 +150,13 @@ def tp_peer(shape: dict, ckpt: str, mesh):
 
 
 def peer(kind: str, shape: dict, steps: int, ckpt: str) -> list[float]:
-    """One rank of the peer loop: microbatches, summed loss over the global tokens, clip, AdamW."""
+    """One rank of the peer loop: each step's seconds."""
+    return list(itertools.islice(peer_steps(kind, shape, ckpt), steps))
+
+
+def peer_steps(kind: str, shape: dict, ckpt: str):
+    """The peer loop, one step per next() (its seconds): microbatches, summed loss over the
+    global tokens, clip, AdamW."""
     import torch
     import torch.distributed as dist
 
@@ -156,8 +167,8 @@ def peer(kind: str, shape: dict, steps: int, ckpt: str) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=foreach)
     dp = dist.get_world_size() if kind in ("ddp", "fsdp", "fsdp_never") else 1
     rank = dist.get_rank() if dp > 1 else 0
-    gen, times, tokens = torch.Generator().manual_seed(0), [], shape["batch"] * shape["seq"]
-    for _ in range(steps):
+    gen, tokens = torch.Generator().manual_seed(0), shape["batch"] * shape["seq"]
+    while True:
         rows = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), generator=gen)
         rows = rows.chunk(dp)[rank]
         start = time.perf_counter()
@@ -168,8 +179,17 @@ def peer(kind: str, shape: dict, steps: int, ckpt: str) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) if foreach else clip_mixed(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return times
+        yield time.perf_counter() - start
+
+
+def side_by_side(first, second, steps: int) -> tuple[list[float], list[float]]:
+    """Each side's step seconds, the two stepped in turn (first, second, second, first, ...)
+    in the same processes: both see the machine in the same seconds."""
+    a, b = [], []
+    for step in range(steps):
+        for side, times in ((first, a), (second, b))[:: 1 if step % 2 == 0 else -1]:
+            times.append(next(side))
+    return a, b
 
 
 def clip_mixed(model, max_norm: float = 1.0) -> None:
@@ -204,10 +224,11 @@ def worker(args) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     for label, kind, overrides in json.loads(args.tasks):
-        if kind in ("ours", "ours_x2"):  # x2: twice the global batch (world 1's work per rank at dp 2)
-            times[label] = ours({**shape, "batch": shape["batch"] * (1 + (kind == "ours_x2"))}, overrides, args.steps)
-        else:
-            times[label] = peer(kind, shape, args.steps, args.ckpt)
+        if kind == "ours_x2":  # twice the global batch (world 1's work per rank at dp 2)
+            times[label] = ours({**shape, "batch": 2 * shape["batch"]}, overrides, args.steps)
+        else:  # the row's peer (`kind`) and dtensor3d, step by step in turn
+            pair = peer_steps(kind, shape, args.ckpt), ours_steps(shape, overrides)
+            times[f"peer {label}"], times[label] = side_by_side(*pair, args.steps)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(times, f)
@@ -343,29 +364,24 @@ def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
     """{row: ([dtensor3d tok/s per round], [peer tok/s per round])} and, for the dp 2 rows,
     {row: [dtensor3d tok/s at twice the global batch]} (world 1's work on each rank: what
     parallel efficiency compares). Per round and world size, one job runs the rows: each row's
-    peer and dtensor3d in the same processes, in alternating order from round to round; each
-    efficiency run gets a job of its own (fresh processes, as world 1 has)."""
+    peer and dtensor3d stepped in turn in the same processes (`side_by_side`); each efficiency
+    run gets a job of its own (fresh processes, as world 1 has)."""
     chosen = [r for r in ROWS if r[0].startswith(tuple((args.only or "").split(",")))]
     results: dict[str, tuple[list, list]] = {name: ([], []) for name, *_ in chosen}
     scaled: dict[str, list] = {name: [] for name, *_ in chosen if name.startswith("dp 2") and "world 1" in results}
-    for round_ in range(args.rounds):
+    for _ in range(args.rounds):
         for ranks in sorted({r[1] for r in chosen}):
             rows = [r for r in chosen if r[1] == ranks]
-            got = run_job(ranks, [t for row in rows for t in row_tasks(row, ours_first=round_ % 2 == 1)], args, ckpt)
+            got = run_job(ranks, [[name, kind, overrides] for name, _, kind, overrides in rows], args, ckpt)
             for name, *_ in rows:
                 results[name][0].append(tokens / got[name])
                 results[name][1].append(tokens / got[f"peer {name}"])
-        for name, _, _, overrides in (r for r in chosen if r[0] in scaled):
-            got = run_job(2, [[f"x2 {name}", "ours_x2", overrides]], args, ckpt)
-            scaled[name].append(2 * tokens / got[f"x2 {name}"])
+        x2 = [[f"x2 {name}", "ours_x2", overrides] for name, _, _, overrides in chosen if name in scaled]
+        for tasks in [x2] if args.quick else [[task] for task in x2]:  # --quick: one job, to save start-ups
+            got = run_job(2, tasks, args, ckpt)
+            for label, _, _ in tasks:
+                scaled[label[3:]].append(2 * tokens / got[label])
     return results, scaled
-
-
-def row_tasks(row: tuple, ours_first: bool) -> list:
-    """A row's two tasks for run_job: its peer and dtensor3d, in the order given."""
-    name, _, kind, overrides = row
-    pair = [[f"peer {name}", kind, []], [name, "ours", overrides]]
-    return pair[::-1] if ours_first else pair
 
 
 def generate_rows(args, ckpt: str) -> None:

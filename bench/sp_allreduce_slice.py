@@ -1,0 +1,77 @@
+"""Would sequence parallelism train faster on gloo with all-reduce + slice instead of
+reduce-scatter? (issue 25; the lever BENCHMARKS.md's "Peers" left untried):
+
+    torchrun --nproc-per-node 2 bench/sp_allreduce_slice.py [--rounds 3] [--steps 6]
+
+gloo's reduce-scatter costs 1.3-1.6x its all-reduce of the same tensor
+(bench/tp_collectives.py). This runs bench/peers.py's shape at tp 2 in one process pair,
+alternating three setups each round: REDUCE_SCATTER as it is; REDUCE_SCATTER with every
+reduce-scatter DTensor issues (the row-parallel outputs forward, the sequence gathers'
+gradients backward) replaced, for this run only, by an all-reduce of the whole tensor and
+a slice of this rank's shard (the same result; one collective kind gloo runs faster); and
+ALL_REDUCE. Printed: tokens/s of each (median step after the first over the rounds) and the
+ratios to REDUCE_SCATTER as it is. An experiment on torch's internals (it replaces
+torch.distributed.tensor's reduce_scatter_single for the run), not a dtensor3d option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETUPS = {
+    "REDUCE_SCATTER": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    "REDUCE_SCATTER, all-reduce + slice": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+    "ALL_REDUCE": ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE"],
+}
+
+
+def all_reduce_then_slice(reduce_scatter):
+    """torch.distributed.tensor's reduce_scatter_single, replaced while `on[0]` holds."""
+    import torch.distributed._functional_collectives as funcol
+
+    on = [False]
+
+    def replaced(tensor, reduce_op, scatter_dim, group, tag=""):
+        if not on[0]:
+            return reduce_scatter(tensor, reduce_op, scatter_dim, group, tag)
+        mesh, dim = group
+        whole = funcol.all_reduce(tensor, reduce_op, group)
+        return whole.chunk(mesh.size(dim), dim=scatter_dim)[mesh.get_local_rank(dim)].contiguous()
+
+    return replaced, on
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+    import peers
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.tensor.placement_types as placements
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    placements.funcol.reduce_scatter_single, on = all_reduce_then_slice(placements.funcol.reduce_scatter_single)
+    times: dict[str, list[float]] = {name: [] for name in SETUPS}
+    for round_ in range(args.rounds):
+        for name in list(SETUPS)[:: 1 if round_ % 2 == 0 else -1]:
+            on[0] = "slice" in name
+            times[name] += peers.ours(peers.FULL, SETUPS[name], args.steps)[1:]
+    if dist.get_rank() == 0:
+        tokens = peers.FULL["batch"] * peers.FULL["seq"]
+        base = tokens / statistics.median(times["REDUCE_SCATTER"])
+        for name, t in times.items():
+            speed = tokens / statistics.median(t)
+            print(f"{name:36s} {speed:8,.0f} tok/s  x{speed / base:.2f} REDUCE_SCATTER", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
