@@ -1,15 +1,15 @@
 """Would sequence parallelism train faster on gloo with all-reduce + slice instead of
 reduce-scatter? (issue 25; the lever BENCHMARKS.md's "Peers" left untried):
 
-    torchrun --nproc-per-node 2 bench/sp_allreduce_slice.py [--rounds 3] [--steps 6]
+    torchrun --nproc-per-node 2 bench/sp_allreduce_slice.py [--steps 16]
 
 gloo's reduce-scatter costs 1.3-1.6x its all-reduce of the same tensor
-(bench/tp_collectives.py). This runs bench/peers.py's shape at tp 2 in one process pair,
-alternating three setups each round: REDUCE_SCATTER as it is; REDUCE_SCATTER with every
+(bench/tp_collectives.py). This builds bench/peers.py's shape at tp 2 three times in one
+process pair and steps the three in turn, step by step: REDUCE_SCATTER as it is; REDUCE_SCATTER with every
 reduce-scatter DTensor issues (the row-parallel outputs forward, the sequence gathers'
 gradients backward) replaced, for this run only, by an all-reduce of the whole tensor and
 a slice of this rank's shard (the same result; one collective kind gloo runs faster); and
-ALL_REDUCE. Printed: tokens/s of each (median step after the first over the rounds) and the
+ALL_REDUCE. Printed: tokens/s of each (median step after the first) and the
 ratios to REDUCE_SCATTER as it is. An experiment on torch's internals (it replaces
 torch.distributed.tensor's reduce_scatter_single for the run), not a dtensor3d option.
 """
@@ -47,8 +47,7 @@ def all_reduce_then_slice(reduce_scatter):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args()
     sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
     import peers
@@ -59,11 +58,14 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     placements.funcol.reduce_scatter_single, on = all_reduce_then_slice(placements.funcol.reduce_scatter_single)
+    runs = {name: peers.ours_steps(peers.FULL, overrides) for name, overrides in SETUPS.items()}
     times: dict[str, list[float]] = {name: [] for name in SETUPS}
-    for round_ in range(args.rounds):
-        for name in list(SETUPS)[:: 1 if round_ % 2 == 0 else -1]:
+    for step in range(args.steps):  # the setups stepped in turn, the order rotating each step
+        names = list(SETUPS)[step % 3 :] + list(SETUPS)[: step % 3]
+        for name in names:
             on[0] = "slice" in name
-            times[name] += peers.ours(peers.FULL, SETUPS[name], args.steps)[1:]
+            times[name].append(next(runs[name]))
+    times = {name: t[1:] for name, t in times.items()}
     if dist.get_rank() == 0:
         tokens = peers.FULL["batch"] * peers.FULL["seq"]
         base = tokens / statistics.median(times["REDUCE_SCATTER"])
