@@ -64,37 +64,7 @@ def apply_fsdp(model: nn.Module, mesh, parallelism, policy: MixedPrecisionPolicy
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-    if async_prefetch(mesh.device_type):
-        prefetch_next_units([model, *blocks[::n]])
     return model
-
-
-def async_prefetch(device_type: str) -> bool:
-    """Whether each FSDP unit's forward starts the next unit's all-gather itself (pure; the
-    one switch for CPU and CUDA). On CUDA, FSDP2 already prefetches the next unit's
-    all-gather on its own streams while a unit computes. On CPU it has no streams: it issues
-    each unit's all-gather in that unit's pre-forward and waits for it there, so nothing
-    overlaps. An all-gather issued with async_op=True runs on gloo's own thread, so CPU
-    prefetches by hand (`prefetch_next_units`)."""
-    return device_type == "cpu"
-
-
-def prefetch_next_units(units: list[nn.Module]) -> None:
-    """Forward pre-hooks: when unit i starts its forward (after FSDP2 has gathered its own
-    parameters), it issues unit i + 1's all-gather with `unshard(async_op=True)`; FSDP2 waits
-    for it in unit i + 1's pre-forward. A unit already gathered (not resharded after forward,
-    or a later microbatch) makes it a no-op. A recomputed block (activation checkpointing)
-    recomputes inside its forward, so nothing is prefetched in backward."""
-    for unit, following in zip(units, units[1:]):
-        unit.register_forward_pre_hook(_prefetch_hook(following))
-
-
-def _prefetch_hook(following: FSDPModule):
-    @torch.compiler.disable
-    def hook(_module, _args) -> None:
-        following.unshard(async_op=True)
-
-    return hook
 
 
 def fsdp_meshes(mesh, parallelism):

@@ -1,6 +1,6 @@
 """Each speed feature's device switch, asked for "cuda" and "cpu" in one process (no ranks,
-no GPU): FSDP2's mixed-precision policy and its forward prefetch (parallel/data.py
-`fsdp_policy`, `async_prefetch`) and torch.compile's targets and backend (parallel/compile.py `compile_targets`, `compile_backend`). The async
+no GPU): FSDP2's mixed-precision policy (parallel/data.py `fsdp_policy`) and torch.compile's
+targets and backend (parallel/compile.py `compile_targets`, `compile_backend`). The async
 tp key's switch is tests/parallel/test_async_tp.py's, the experts' grouped_mm switch
 tests/models/test_moe.py's."""
 
@@ -12,9 +12,7 @@ from helpers import MOE, PARITY
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtensor3d.config.load import load_recipe
-from dtensor3d.mesh import build_mesh
 from dtensor3d.models import build_on_meta
-from dtensor3d.parallel import data as fsdp
 from dtensor3d.parallel.compile import apply_compile, compile_backend, compile_targets
 from dtensor3d.parallel.data import fsdp_policy
 
@@ -58,37 +56,3 @@ def test_autograd_cache_off_with_more_than_one_rank(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert not functorch_config.enable_autograd_cache
-
-
-def test_fsdp_async_prefetch_per_device():
-    """CPU prefetches each next FSDP unit's all-gather by hand (no streams there); CUDA leaves
-    it to FSDP2's own stream prefetch."""
-    assert fsdp.async_prefetch("cpu") and not fsdp.async_prefetch("cuda")
-
-
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_fsdp_forward_gathers_per_device(device, monkeypatch):
-    """The all-gathers one forward issues at dp 2 shard (torch's in-process fake process
-    group, FSDP2's own code on CPU tensors), each with its async_op: the root's waits in its
-    pre-forward; with the CPU switch each of the 4 block units' is issued async by the unit
-    before it (parallel/data.py `prefetch_next_units`), with the CUDA switch none is (there
-    FSDP2's streams overlap them)."""
-    issued = []
-    gather = dist.all_gather_single
-
-    def spy(output, input, group=None, async_op=False, **kwargs):
-        issued.append(async_op)
-        return gather(output, input, group=group, async_op=async_op, **kwargs)
-
-    monkeypatch.setattr(dist, "all_gather_single", spy)
-    monkeypatch.setattr(fsdp, "async_prefetch", lambda _device: device == "cpu")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        recipe = load_recipe(PARITY, ["parallelism.dp=2", "parallelism.dp_mode=shard"])
-        model = build_on_meta(recipe.model)
-        fsdp.apply_fsdp(model, build_mesh(recipe.parallelism, "cpu"), recipe.parallelism)
-        model.to_empty(device="cpu")
-        model(torch.zeros(1, 8, dtype=torch.long))
-    finally:
-        dist.destroy_process_group()
-    assert issued == [False] + [device == "cpu"] * 4
