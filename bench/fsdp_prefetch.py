@@ -73,11 +73,7 @@ def main() -> None:
     parallelize.apply_fsdp = plain
     runs[("replicate", None)] = peers.ours_steps(shape, ["parallelism.dp=2", "parallelism.dp_mode=replicate"])
     next(runs[("replicate", None)])
-    times = {key: [] for key in runs}
-    for step in range(args.steps):
-        keys = list(runs)[step % len(runs) :] + list(runs)[: step % len(runs)]
-        for key in keys:
-            times[key].append(next(runs[key]))
+    times = peers.in_turn(runs, args.steps)
     if dist.get_rank() == 0:
         speed = {key: shape["batch"] * shape["seq"] / statistics.median(t) for key, t in times.items()}
         for name in SETUPS:

@@ -149,11 +149,6 @@ def tp_peer(shape: dict, ckpt: str, mesh):
     return model
 
 
-def peer(kind: str, shape: dict, steps: int, ckpt: str) -> list[float]:
-    """One rank of the peer loop: each step's seconds."""
-    return list(itertools.islice(peer_steps(kind, shape, ckpt), steps))
-
-
 def peer_steps(kind: str, shape: dict, ckpt: str):
     """The peer loop, one step per next() (its seconds): microbatches, summed loss over the
     global tokens, clip, AdamW."""
@@ -182,14 +177,15 @@ def peer_steps(kind: str, shape: dict, ckpt: str):
         yield time.perf_counter() - start
 
 
-def side_by_side(first, second, steps: int) -> tuple[list[float], list[float]]:
-    """Each side's step seconds, the two stepped in turn (first, second, second, first, ...)
-    in the same processes: both see the machine in the same seconds."""
-    a, b = [], []
+def in_turn(runs: dict, steps: int) -> dict[object, list[float]]:
+    """{key: step seconds} of step generators stepped in turn, step by step, the order
+    rotating each step (for two: a, b, b, a, ...)."""
+    times: dict[object, list[float]] = {key: [] for key in runs}
     for step in range(steps):
-        for side, times in ((first, a), (second, b))[:: 1 if step % 2 == 0 else -1]:
-            times.append(next(side))
-    return a, b
+        keys = list(runs)[step % len(runs) :] + list(runs)[: step % len(runs)]
+        for key in keys:
+            times[key].append(next(runs[key]))
+    return times
 
 
 def clip_mixed(model, max_norm: float = 1.0) -> None:
@@ -226,9 +222,9 @@ def worker(args) -> None:
     for label, kind, overrides in json.loads(args.tasks):
         if kind == "ours_x2":  # twice the global batch (world 1's work per rank at dp 2)
             times[label] = ours({**shape, "batch": 2 * shape["batch"]}, overrides, args.steps)
-        else:  # the row's peer (`kind`) and dtensor3d, step by step in turn
-            pair = peer_steps(kind, shape, args.ckpt), ours_steps(shape, overrides)
-            times[f"peer {label}"], times[label] = side_by_side(*pair, args.steps)
+        else:  # the row's peer (`kind`) and dtensor3d, stepped in turn: both see the machine in the same seconds
+            pair = {f"peer {label}": peer_steps(kind, shape, args.ckpt), label: ours_steps(shape, overrides)}
+            times.update(in_turn(pair, args.steps))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(times, f)
@@ -364,7 +360,7 @@ def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
     """{row: ([dtensor3d tok/s per round], [peer tok/s per round])} and, for the dp 2 rows,
     {row: [dtensor3d tok/s at twice the global batch]} (world 1's work on each rank: what
     parallel efficiency compares). Per round and world size, one job runs the rows: each row's
-    peer and dtensor3d stepped in turn in the same processes (`side_by_side`); each efficiency
+    peer and dtensor3d stepped in turn in the same processes (`in_turn`); each efficiency
     run gets a job of its own (fresh processes, as world 1 has)."""
     chosen = [r for r in ROWS if r[0].startswith(tuple((args.only or "").split(",")))]
     results: dict[str, tuple[list, list]] = {name: ([], []) for name, *_ in chosen}

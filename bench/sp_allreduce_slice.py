@@ -45,6 +45,13 @@ def all_reduce_then_slice(reduce_scatter):
     return replaced, on
 
 
+def flagged(steps, on: list, value: bool):
+    """A step generator whose every step runs with on[0] = value."""
+    while True:
+        on[0] = value
+        yield next(steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
@@ -58,14 +65,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     placements.funcol.reduce_scatter_single, on = all_reduce_then_slice(placements.funcol.reduce_scatter_single)
-    runs = {name: peers.ours_steps(peers.FULL, overrides) for name, overrides in SETUPS.items()}
-    times: dict[str, list[float]] = {name: [] for name in SETUPS}
-    for step in range(args.steps):  # the setups stepped in turn, the order rotating each step
-        names = list(SETUPS)[step % 3 :] + list(SETUPS)[: step % 3]
-        for name in names:
-            on[0] = "slice" in name
-            times[name].append(next(runs[name]))
-    times = {name: t[1:] for name, t in times.items()}
+    runs = {name: flagged(peers.ours_steps(peers.FULL, o), on, "slice" in name) for name, o in SETUPS.items()}
+    times = {name: t[1:] for name, t in peers.in_turn(runs, args.steps).items()}
     if dist.get_rank() == 0:
         tokens = peers.FULL["batch"] * peers.FULL["seq"]
         base = tokens / statistics.median(times["REDUCE_SCATTER"])
