@@ -86,7 +86,9 @@ def test_two_nodes_lose_node_1_and_take_it_back_bitwise(tmp_path, jobs, one_node
     assert again.wait(60) == 0, again.text()[-3000:]
     assert losses(tmp_path / "run") == one_node  # bitwise: the same mesh, resumed from a checkpoint
     steps_once(tmp_path / "run")
-    assert node0.text().count("done:") == 1 and not error_lines(node0.text() + again.text())
+    # global rank 0 prints the `done:` line; after the restart the rendezvous may give it to either node
+    both = node0.text() + again.text()
+    assert both.count("done:") == 1 and not error_lines(both), both[-3000:]
     no_traceback(node0)
 
 
@@ -115,7 +117,8 @@ def test_elastic_shrink_when_a_node_is_lost_and_grow_when_it_returns(tmp_path, j
     for (step, loss, norm), (_, ref_loss, ref_norm) in zip(losses(tmp_path / "run"), one_node, strict=True):
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (step, loss, ref_loss)
         assert abs(norm - ref_norm) <= TOL * abs(ref_norm), (step, norm, ref_norm)
-    assert node0.text().count("done:") == 1 and not error_lines(node0.text() + again.text())
+    both = node0.text() + again.text()  # rank 0, which prints `done:`, may be on either node after the rejoin
+    assert both.count("done:") == 1 and not error_lines(both), both[-3000:]
     no_traceback(node0)
 
 
