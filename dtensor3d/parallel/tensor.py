@@ -111,6 +111,12 @@ def tp_plan(
                 "mlp.down_proj": RowwiseParallel(output_layouts=seq),
             }
         )
+    if not sequence_parallel and not shared_key:
+        # q/k/v (gate/up) take the replicated input as one DTensor: their input gradients, each
+        # partial over tp, are summed as DTensors and all-reduced once per block, not once each
+        layer["self_attn"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+        if not moe:
+            layer["mlp"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
     if sequence_parallel:
         outer["model.norm"] = SequenceParallel()
         layer.update(
@@ -133,10 +139,10 @@ def tp_plan(
 
 
 def _without_overlapped(layer: dict, sequence_parallel: bool) -> dict:
-    """The layer plan less what parallel/async_tp.py shards itself: the column projections,
-    and under sequence parallelism the row ones and their parents' input gathers."""
-    taken = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
-    taken |= {"o_proj", "down_proj", "self_attn", "mlp"} if sequence_parallel else set()
+    """The layer plan less what parallel/async_tp.py shards itself: the column projections and
+    their parents' input styles, and under sequence parallelism the row projections too."""
+    taken = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "self_attn", "mlp"}
+    taken |= {"o_proj", "down_proj"} if sequence_parallel else set()
     return {path: style for path, style in layer.items() if path.split(".")[-1] not in taken}
 
 

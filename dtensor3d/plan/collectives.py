@@ -44,9 +44,9 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     # trainer's backward runs under too; measured 4,096 B per 32 x 64 all-reduce)
     grad_in = full_c if chunked_async(recipe) else full_f
     if not p.sequence_parallel:
-        # Rowwise outputs are all-reduced forward; each colwise input's gradient backward
-        # (tp_linear_async_communication: one summed gradient per q/k/v or gate/up group).
-        colwise = blocks if chunked_async(recipe) else 3 + 2 * (not moe)
+        # Rowwise outputs are all-reduced forward; backward, one summed input gradient per
+        # q/k/v or gate/up group (MLA's attention: q/k/v's three, which _mla_backward replaces).
+        colwise = blocks + 2 * bool(recipe.model.mla and not chunked_async(recipe))
         fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": colwise * grad_in}
     else:
         fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
