@@ -18,8 +18,8 @@ Each round runs one torchrun job per world size; in it each row's peer and dtens
 built side by side in the same processes and stepped in turn, step by step (peer, ours, ours,
 peer, ...), so both sides see the machine in the same seconds; each side's median step after
 the first. Parallel efficiency (dp 2 rows): dtensor3d's tokens/s at twice the global batch
-(each rank doing world 1's work), each in a fresh 2-rank job as world 1 is in a fresh 1-rank
-job, against twice world 1's. Ratio = dtensor3d / peer (above
+(each rank doing world 1's work), each in a fresh 2-rank job between two fresh world 1 jobs,
+against twice their mean. Ratio = dtensor3d / peer (above
 1: dtensor3d faster). `--quick`: tiny shapes, one round (the suite runs it; it checks every
 row has a number, no time asserted).
 """
@@ -222,6 +222,8 @@ def worker(args) -> None:
     for label, kind, overrides in json.loads(args.tasks):
         if kind == "ours_x2":  # twice the global batch (world 1's work per rank at dp 2)
             times[label] = ours({**shape, "batch": 2 * shape["batch"]}, overrides, args.steps)
+        elif kind == "ours":  # dtensor3d alone
+            times[label] = ours(shape, overrides, args.steps)
         else:  # the row's peer (`kind`) and dtensor3d, stepped in turn: both see the machine in the same seconds
             pair = {f"peer {label}": peer_steps(kind, shape, args.ckpt), label: ours_steps(shape, overrides)}
             times.update(in_turn(pair, args.steps))
@@ -268,50 +270,6 @@ def make_checkpoint(shape: dict) -> str:
     return path
 
 
-PROMPT = "The quick brown fox jumps over"
-HF_ONE_TOKEN = (
-    "import sys, torch; from transformers import LlamaForCausalLM; "
-    "m = LlamaForCausalLM.from_pretrained(sys.argv[1]); "
-    "print(m.generate(torch.tensor([list(range(1, 31))]), max_new_tokens=1, do_sample=False)[0, -1].item())"
-)
-
-
-def generate_speeds(ckpt: str, new: int) -> tuple[float, float]:
-    """(dtensor3d, transformers) greedy tokens/s after start-up, one thread, same prompt ids."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from dtensor3d.checkpoint.hf import model_from, model_source
-    from dtensor3d.generate import generate_ids
-
-    torch.set_num_threads(1)
-    prompt = list(range(1, len(PROMPT) + 1))
-    ours_model = model_from(*model_source(ckpt, "generate"))
-    hf = LlamaForCausalLM.from_pretrained(ckpt).eval()
-    start = time.perf_counter()
-    got = list(generate_ids(ours_model, prompt, new, temperature=0.0))
-    ours_s = time.perf_counter() - start
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    hf_s = time.perf_counter() - start
-    assert len(got) == out.shape[1] - len(prompt) == new
-    return new / ours_s, new / hf_s
-
-
-def one_token_seconds(ckpt: str) -> tuple[float, float]:
-    """Wall seconds of a whole process making one token: dtensor3d generate vs transformers."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    ours_cmd = [sys.executable, "-m", "dtensor3d", "generate", ckpt, "--prompt", PROMPT]
-    ours_cmd += ["--max-new-tokens", "1", "--temperature", "0"]
-    times = []
-    for cmd in (ours_cmd, [sys.executable, "-c", HF_ONE_TOKEN, ckpt]):
-        start = time.perf_counter()
-        subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=ROOT)
-        times.append(time.perf_counter() - start)
-    return times[0], times[1]
-
-
 def line(name: str, peer_name: str, ours_v: list[float], peer_v: list[float], unit: str, higher: bool = True) -> str:
     """A row: the medians over rounds, their ratio, and with several rounds the range of the
     ratios round by round (each round's two runs measured side by side)."""
@@ -347,21 +305,21 @@ def main() -> None:
     for name, _, kind, _ in ROWS:
         if name in results:
             print(line(name, peers[kind], *results[name], "tok/s"), flush=True)
-    for name, got in scaled.items():
-        eff = statistics.median(got) / (2 * statistics.median(results["world 1"][0]))
-        per_round = [x / (2 * w) for x, w in zip(got, results["world 1"][0])]
+    for name, per_round in scaled.items():
         spread = f"  (rounds {min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
+        eff = statistics.median(per_round)
         print(f"{name}: parallel efficiency (global batch x2: tokens/s / 2 x world 1) {eff:.2f}{spread}", flush=True)
     if any("generate".startswith(p) for p in (args.only or "").split(",")):
+        from peers_generate import generate_rows
+
         generate_rows(args, ckpt)
 
 
 def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
     """{row: ([dtensor3d tok/s per round], [peer tok/s per round])} and, for the dp 2 rows,
-    {row: [dtensor3d tok/s at twice the global batch]} (world 1's work on each rank: what
-    parallel efficiency compares). Per round and world size, one job runs the rows: each row's
-    peer and dtensor3d stepped in turn in the same processes (`in_turn`); each efficiency
-    run gets a job of its own (fresh processes, as world 1 has)."""
+    {row: [parallel efficiency per round]} (`efficiencies`). Per round and world size, one
+    job runs the rows: each row's peer and dtensor3d stepped in turn in the same processes
+    (`in_turn`)."""
     chosen = [r for r in ROWS if r[0].startswith(tuple((args.only or "").split(",")))]
     results: dict[str, tuple[list, list]] = {name: ([], []) for name, *_ in chosen}
     scaled: dict[str, list] = {name: [] for name, *_ in chosen if name.startswith("dp 2") and "world 1" in results}
@@ -372,23 +330,29 @@ def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
             for name, *_ in rows:
                 results[name][0].append(tokens / got[name])
                 results[name][1].append(tokens / got[f"peer {name}"])
-        x2 = [[f"x2 {name}", "ours_x2", overrides] for name, _, _, overrides in chosen if name in scaled]
-        for tasks in [x2] if args.quick else [[task] for task in x2]:  # --quick: one job, to save start-ups
-            got = run_job(2, tasks, args, ckpt)
-            for label, _, _ in tasks:
-                scaled[label[3:]].append(2 * tokens / got[label])
+        overrides = {name: o for name, _, _, o in chosen if name in scaled}
+        for name, eff in efficiencies(args, ckpt, tokens, overrides, results["world 1"][0][-1]).items():
+            scaled[name].append(eff)
     return results, scaled
 
 
-def generate_rows(args, ckpt: str) -> None:
-    """generate's tokens/s after start-up and a whole one-token process, against transformers'."""
-    speeds, procs = ([], []), ([], [])
-    for _ in range(args.rounds):
-        for acc, got in ((speeds, generate_speeds(ckpt, 8 if args.quick else 64)), (procs, one_token_seconds(ckpt))):
-            acc[0].append(got[0])
-            acc[1].append(got[1])
-    print(line("generate (after start-up)", "transformers generate", *speeds, "tok/s"), flush=True)
-    print(line("one-token process", "transformers process", *procs, "s", higher=False), flush=True)
+def efficiencies(args, ckpt: str, tokens: int, rows: dict[str, list], world_1: float) -> dict[str, float]:
+    """{dp 2 row: dtensor3d's tokens/s at twice the global batch (world 1's work on each
+    rank) / 2 x world 1's}, each setup in a 2-rank job of its own (fresh processes, as world 1
+    has) between two world 1 jobs, against their mean: the machine's drift over minutes
+    (BENCHMARKS.md, "Peers") reaches a ratio only through the seconds between neighbouring
+    jobs. `--quick`: one job for every setup, against the round's world 1 (`world_1`)."""
+    x2 = [[f"x2 {name}", "ours_x2", o] for name, o in rows.items()]
+    if args.quick:
+        got = run_job(2, x2, args, ckpt)
+        return {label[3:]: 2 * tokens / got[label] / (2 * world_1) for label, _, _ in x2}
+    alone = [["alone", "ours", []]]
+    before, out = tokens / run_job(1, alone, args, ckpt)["alone"], {}
+    for task in x2:
+        speed = 2 * tokens / run_job(2, [task], args, ckpt)[task[0]]
+        after = tokens / run_job(1, alone, args, ckpt)["alone"]
+        out[task[0][3:]], before = speed / (before + after), after
+    return out
 
 
 if __name__ == "__main__":
