@@ -111,31 +111,35 @@ def tp_plan(
                 "mlp.down_proj": RowwiseParallel(output_layouts=seq),
             }
         )
-    if not sequence_parallel and not shared_key:
-        # q/k/v (gate/up) take the replicated input as one DTensor: their input gradients, each
-        # partial over tp, are summed as DTensors and all-reduced once per block, not once each
-        layer["self_attn"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
-        if not moe:
-            layer["mlp"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
     if sequence_parallel:
         outer["model.norm"] = SequenceParallel()
-        layer.update(
-            {
-                "input_layernorm": SequenceParallel(),
-                "post_attention_layernorm": SequenceParallel(),
-                # Gather the sequence-sharded input before q/k/v (MLA: as a plain tensor, module docstring)
-                "self_attn": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=bool(shared_key)
-                ),
-            }
-        )
-        if moe:  # each tp rank routes its own sequence shard: no gather (parallel/expert.py)
-            layer["block_sparse_moe"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
-            )
-        else:
-            layer["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    layer |= _block_inputs(sequence_parallel, moe, shared_key)
     return outer, _without_overlapped(layer, sequence_parallel) if overlapped else layer
+
+
+def _block_inputs(sequence_parallel: bool, moe: bool, shared_key: int) -> dict:
+    """How each block (attention, feed-forward) takes its input, and under sequence
+    parallelism the norms before them. ALL_REDUCE: q/k/v (gate/up) take the replicated input
+    as one DTensor, so their input gradients, each partial over tp, are summed as DTensors and
+    all-reduced once per block, not once each (MLA's attention keeps its plain input: its
+    replicated down projections read it). Sequence parallelism: the norms run on the sequence
+    shards and each block gathers its input (MLA: as a plain tensor, module docstring); an MoE
+    feed-forward routes this rank's shard, no gather (parallel/expert.py)."""
+    if not sequence_parallel:
+        whole = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+        return ({} if shared_key else {"self_attn": whole}) | ({} if moe else {"mlp": whole})
+    gather = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=bool(shared_key)
+    )
+    inputs = {"self_attn": gather, "input_layernorm": SequenceParallel()}
+    inputs["post_attention_layernorm"] = SequenceParallel()
+    if moe:
+        inputs["block_sparse_moe"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+    else:
+        inputs["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return inputs
 
 
 def _without_overlapped(layer: dict, sequence_parallel: bool) -> dict:
