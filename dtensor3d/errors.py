@@ -31,6 +31,8 @@ class EnvError(UserError):
 
 SUPERVISED = "DTENSOR3D_SUPERVISED"  # set for the workers by launch/supervise.py
 RESIZE_CAUSE = "DTENSOR3D_RESIZE_CAUSE"  # set by the agent before an elastic restart: "node 1 lost"
+# a worker's line for a collective that timed out (training/faults.py), which the agent reads
+COLLECTIVE_TIMEOUT = "a collective did not complete within"
 
 
 def is_rank0() -> bool:

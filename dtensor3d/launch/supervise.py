@@ -34,7 +34,8 @@ import signal
 import sys
 import threading
 
-from ..errors import RESIZE_CAUSE, SUPERVISED  # set for the workers: errors.write_error_file writes torch's error file
+# SUPERVISED is set for the workers: errors.write_error_file writes torch's error file
+from ..errors import COLLECTIVE_TIMEOUT, RESIZE_CAUSE, SUPERVISED
 
 SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -85,6 +86,11 @@ class Failure:
         """Killed by a signal other than the agent's own SIGTERM (sent to stop the others)."""
         return self.exitcode < 0 and -self.exitcode != signal.SIGTERM
 
+    @property
+    def timed_out(self) -> bool:
+        """The worker's own line says a collective did not complete within training.timeout_s."""
+        return self.line is not None and COLLECTIVE_TIMEOUT in self.line
+
     def describe(self) -> str:
         if self.exitcode < 0:
             with contextlib.suppress(ValueError):
@@ -108,12 +114,14 @@ def failures_of(result) -> list[Failure]:
 def first_failure(failures: list[Failure]) -> Failure:
     """The failure that came first. The agent stops the other workers once it sees one
     (SIGTERM, SIGKILL after its shutdown timeout), so their failures follow it. Times known
-    only to the second: among failures within a second of the earliest, a rank killed by a
-    signal comes first (the peers of a killed rank fail in their next collective)."""
+    only to the second: among failures within a second of the earliest, a rank whose
+    collective timed out comes first (the peer it waited for was alive but stuck, and dies,
+    by a signal or its own abort on the closed connection, only after), then a rank killed by
+    a signal (the peers of a killed rank fail in their next collective)."""
     causes = [f for f in failures if f.exitcode != -signal.SIGTERM] or failures
     earliest = min(f.time for f in causes)
     near = [f for f in causes if f.time <= earliest + 1.0]
-    return min(near, key=lambda f: (not f.killed, f.time, f.rank))
+    return min(near, key=lambda f: (not f.timed_out, not f.killed, f.time, f.rank))
 
 
 def summary(failures: list[Failure]) -> str:

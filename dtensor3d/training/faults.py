@@ -32,7 +32,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError, is_rank0, write_error_file
+from ..errors import COLLECTIVE_TIMEOUT, UserError, is_rank0, write_error_file
 from ..parallel.shards import local
 
 RESIZE = signal.SIGUSR1  # from this node's agent: the job's nodes changed (launch/elastic.py): save and exit 0
@@ -226,7 +226,7 @@ def collective_guard(where: str, timeout_s: float):
             raise
         text = " ".join(str(e).split())[:400]
         if "timed out" in text.lower() or "timeout" in text.lower():
-            why = f"a collective did not complete within training.timeout_s={timeout_s:g} s (a rank hung or stopped)"
+            why = f"{COLLECTIVE_TIMEOUT} training.timeout_s={timeout_s:g} s (a rank hung or stopped)"
         else:
             why = "a collective failed (a rank died or its connection closed)"
         raise CollectiveError(f"{where}: {why}", text) from None

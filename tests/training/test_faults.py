@@ -158,18 +158,24 @@ def test_an_error_only_rank_1_sees_is_one_line_and_not_restarted(tmp_path, jobs)
 def test_first_failure_rule():
     """supervise.first_failure on the agent's view of an attempt (times known to the second for
     a signal): a killed rank comes before the peer that then failed in a collective; a rank that
-    timed out comes before the frozen one the agent SIGKILLed 30 s later; the agent's own
+    timed out comes before the frozen one the agent SIGKILLed 30 s later, or that aborted within
+    the second once let go; the agent's own
     SIGTERM is never the cause; a deterministic exit (2) is seen as the first failure."""
     killed, peer = Failure(1, -9, 100.0, None, None), Failure(0, 1, 100.7, "step 3: x", "step 3")
     assert first_failure([peer, killed]) == killed
     assert summary([peer, killed]) == "rank 1 was killed by SIGKILL (then rank 0: step 3)"
-    timed_out, frozen = Failure(0, 1, 100.2, "step 5: timeout", "step 5"), Failure(1, -9, 130.0, None, None)
+    timeout = "step 5: a collective did not complete within training.timeout_s=20 s (a rank hung or stopped)"
+    timed_out, frozen = Failure(0, 1, 100.2, timeout, "step 5"), Failure(1, -9, 130.0, None, None)
     assert first_failure([frozen, timed_out]) == timed_out
+    # the frozen rank, let go once rank 0 has ended, aborts on the closed connection within the
+    # second (the agent's time, whole seconds, can read earlier): the timeout still came first
+    aborted = Failure(1, -6, 100.0, None, None)
+    assert first_failure([aborted, timed_out]) == timed_out
     termed, door = Failure(1, -15, 100.0, None, None), Failure(0, 2, 100.0, None, None)
     assert first_failure([termed, door]) == door
     assert final_line([[peer, killed], [frozen, timed_out]], 1) == (
         "error: the job failed after 1 restart(s) (MAX_RESTARTS=1); the first failure: rank 1 was killed by "
-        "SIGKILL (then rank 0: step 3); the last: rank 0 exited with status 1: step 5: timeout"
+        f"SIGKILL (then rank 0: step 3); the last: rank 0 exited with status 1: {timeout}"
     )
 
 
