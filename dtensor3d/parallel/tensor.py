@@ -1,11 +1,12 @@
 """Tensor parallelism as data: a table from module path to a DTensor ParallelStyle.
 
 `tp_plan(recipe)` returns the tables; `apply_tp` hands them to PyTorch's
-`parallelize_module`. Under ALL_REDUCE the residual stream is replicated over tp and each
-block ends in an all-reduce; under REDUCE_SCATTER (sequence parallelism) the residual
-stream and the norms are sharded on the sequence and each block gathers its input and
-reduce-scatters its output. The head is column-parallel and its logits stay sharded on the
-vocabulary for `loss_parallel` cross-entropy.
+`parallelize_module`. Under ALL_REDUCE the residual stream is replicated over tp, each
+block ends in an all-reduce and its input's gradient is all-reduced once (`_block_inputs`);
+under REDUCE_SCATTER (sequence parallelism) the residual stream and the norms are sharded on
+the sequence and each block gathers its input and reduce-scatters its output. The head is
+column-parallel and its logits stay sharded on the vocabulary for `loss_parallel`
+cross-entropy.
 
 Multi-head latent attention (DeepSeek-V3, models/mla.py) is sharded by heads too: q_b_proj
 (or q_proj) and kv_b_proj column-parallel -- their rows are per-head blocks -- and o_proj
