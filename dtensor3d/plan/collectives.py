@@ -45,8 +45,9 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     grad_in = full_c if chunked_async(recipe) else full_f
     if not p.sequence_parallel:
         # Rowwise outputs are all-reduced forward; backward, one summed input gradient per
-        # q/k/v or gate/up group (MLA's attention: q/k/v's three, which _mla_backward replaces).
-        colwise = blocks + 2 * bool(recipe.model.mla and not chunked_async(recipe))
+        # q/k/v or gate/up group (MLA's attention, which the async key refuses: q/k/v's three,
+        # which _mla_backward replaces).
+        colwise = blocks + 2 * bool(recipe.model.mla)
         fwd, bwd = {"all_reduce": blocks * full_c}, {"all_reduce": colwise * grad_in}
     else:
         fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
