@@ -330,6 +330,8 @@ def train_rows(args, ckpt: str, tokens: int) -> tuple[dict, dict]:
             for name, *_ in rows:
                 results[name][0].append(tokens / got[name])
                 results[name][1].append(tokens / got[f"peer {name}"])
+        if not scaled:  # no dp 2 row chosen (--only 'tp 2'): no efficiency runs
+            continue
         overrides = {name: o for name, _, _, o in chosen if name in scaled}
         for name, eff in efficiencies(args, ckpt, tokens, overrides, results["world 1"][0][-1]).items():
             scaled[name].append(eff)

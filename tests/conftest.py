@@ -90,6 +90,7 @@ QUICK_FILES = {
     "test_init.py",
     "test_matrix.py",
     "test_async_tp.py",
+    "test_tp_styles.py",
     "test_device_switches.py",
     "test_mfu.py",
     "test_documents.py",
