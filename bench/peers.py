@@ -270,6 +270,16 @@ def make_checkpoint(shape: dict) -> str:
     return path
 
 
+def shared_checkpoint(shape: dict) -> str:
+    """Inside a gloo job: rank 0 makes the checkpoint (`make_checkpoint`), every rank gets
+    its path."""
+    import torch.distributed as dist
+
+    box = [make_checkpoint(shape) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    return box[0]
+
+
 def line(name: str, peer_name: str, ours_v: list[float], peer_v: list[float], unit: str, higher: bool = True) -> str:
     """A row: the medians over rounds, their ratio, and with several rounds the range of the
     ratios round by round (each round's two runs measured side by side)."""

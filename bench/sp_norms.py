@@ -40,9 +40,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    box = [peers.make_checkpoint(peers.FULL) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box)
-    runs = {"transformers tp": built(peers.peer_steps("tp", peers.FULL, box[0]))}
+    ckpt = peers.shared_checkpoint(peers.FULL)
+    runs = {"transformers tp": built(peers.peer_steps("tp", peers.FULL, ckpt))}
     ours, tensor.SequenceShardNorm = tensor.SequenceShardNorm, SequenceParallel
     runs["norms SequenceParallel"] = built(peers.ours_steps(peers.FULL, SP))
     tensor.SequenceShardNorm = ours

@@ -55,10 +55,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    ckpt = peers.make_checkpoint(peers.FULL) if dist.get_rank() == 0 else None
-    box = [ckpt]
-    dist.broadcast_object_list(box)
-    runs = {"transformers tp": profiled(peers.peer_steps("tp", peers.FULL, box[0]))}
+    ckpt = peers.shared_checkpoint(peers.FULL)
+    runs = {"transformers tp": profiled(peers.peer_steps("tp", peers.FULL, ckpt))}
     runs |= {name: profiled(peers.ours_steps(peers.FULL, o)) for name, o in OURS.items()}
     results = peers.in_turn(runs, args.steps)
     if dist.get_rank() == 0:

@@ -75,7 +75,7 @@ class SharedKeyGradient(ParallelStyle):
 class SequenceShardNorm(ParallelStyle):
     """Sequence parallelism for an RMSNorm (models/layers.py), computed on this rank's
     sequence shard as plain tensors (`local_map`): the same math as torch's `SequenceParallel`
-    without a DTensor dispatch per op (a tp 2 step 1.05-1.08x faster, BENCHMARKS.md). The weight
+    without a DTensor dispatch per op (a tp 2 step 1.03-1.08x faster, BENCHMARKS.md). The weight
     is a replicated DTensor; its gradient, each rank's over its own tokens, comes back partial
     over tp and is summed once per step with the other gradients (`match_grad_placements`).
     The output is a DTensor sharded on the sequence, as `SequenceParallel` gives it."""
