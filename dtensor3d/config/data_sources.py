@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RecipeError
+from .mixture_weights import weights_problem
 
 SOURCE_KEYS = ("path", "weight", "name")
 STAGE_KEYS = ("start_step", "sources")
@@ -130,6 +131,8 @@ def mixture_problem(data) -> str | None:
         )
     paths: dict[str, str] = {}  # one name, one directory, in every stage
     for where, sources in mixtures_of(data):
+        if problem := weights_problem(where, sources):
+            return problem
         for i, s in enumerate(sources):
             if s.name in RESERVED_NAMES:
                 return f"{where}: the source name {s.name!r} is taken by loss/{s.name}; name the source otherwise"

@@ -4,10 +4,11 @@ the same samples.
 
 The schedule. Each mixture (data.sources, then each of data.stages) covers the samples of its
 steps: stage g, beginning at 1-based step S_g, owns samples from (S_g - 1) * global_batch_size
-on. Its weights become integers c_k in their exact proportion (each weight read as a fraction
-with a denominator up to 1000, all scaled by the common denominator and divided by the common
-factor: 0.7 / 0.2 / 0.1 -> 7 / 2 / 1); a block is B = sum(c_k) consecutive samples, and in
-every block source k takes exactly c_k of them. Sample j of the stage (j counted from its
+on. Its weights become integers c_k in their exact proportion where a block of at most
+1,000,000 samples holds it (0.7 / 0.2 / 0.1 -> 7 / 2 / 1, 0.0001 / 0.9999 -> 1 / 9999), else
+in the smallest block found that honours every weight to 0.1% (config/mixture_weights.py:
+every positive weight gets at least one sample of each block); a block is B = sum(c_k)
+consecutive samples, and in every block source k takes exactly c_k of them. Sample j of the stage (j counted from its
 first) sits at offset o = j mod B of block b = j // B; its slot is perm_{g,b}(o), a keyed
 bijection of 0..B-1 (tokens.FeistelPermutation keyed by the seed, the stage and b); slot s in
 [C_k, C_k + c_k) (C_k = c_0 + ... + c_{k-1}) picks source k and is that source's draw
@@ -21,29 +22,25 @@ permutation each epoch. A source is known by its name in every stage.
 
 from __future__ import annotations
 
-import math
 import os
 import zlib
-from fractions import Fraction
 
 import torch
 
 from ..config.data_sources import Source, mixtures_of
+from ..config.mixture_weights import integer_weights, weights_problem
 from ..errors import DataError
 from .tokendir import read_meta
 from .tokens import FeistelPermutation, TrainWindows, ValidationWindows, mix64
 
-MAX_DENOMINATOR = 1000
 
-
-def integer_weights(weights: list[float]) -> list[int]:
-    """The smallest integers in the weights' proportion (each weight as a fraction of
-    denominator <= MAX_DENOMINATOR)."""
-    fractions = [Fraction(w).limit_denominator(MAX_DENOMINATOR) for w in weights]
-    scale = math.lcm(*(f.denominator for f in fractions))
-    ints = [int(f * scale) for f in fractions]
-    common = math.gcd(*ints)
-    return [n // common for n in ints]
+def block_counts(where: str, sources) -> list[int]:
+    """Each source's samples per block (config/mixture_weights.py); the door refuses weights
+    it cannot honour, so the DataError here is for a caller that skipped the door."""
+    counts = integer_weights([s.weight for s in sources])
+    if counts is None:
+        raise DataError(weights_problem(where, sources))
+    return counts
 
 
 def source_seed(seed: int, name: str) -> int:
@@ -61,7 +58,7 @@ class Mixture:
         starts += [stage.start_step for stage in data.stages or ()]
         self.first_sample = [(s - 1) * global_batch_size for s in starts]
         self.stages = [sources for _, sources in mixtures]
-        self.counts = [integer_weights([s.weight for s in sources]) for sources in self.stages]
+        self.counts = [block_counts(where, sources) for where, sources in mixtures]
         self.names: list[str] = []
         self.readers: dict[str, TrainWindows] = {}
         for sources in self.stages:

@@ -6,6 +6,7 @@ naming the key or file, exit 2, before any process starts."""
 
 from __future__ import annotations
 
+import subprocess
 from collections import Counter
 
 import numpy as np
@@ -19,6 +20,7 @@ from dtensor3d.datasets.sources import make_source
 from dtensor3d.datasets.tokens import TrainWindows
 from dtensor3d.parallel.data import local_batch, sample_indices
 
+NO_EVAL = ("data.kind=tokens", "training.eval_every=0")
 STAGE_STEP = 60  # the second mixture begins at step 60: sample 59 * 8 = 472
 
 
@@ -48,6 +50,51 @@ def test_integer_weights_keep_the_exact_proportion():
     assert integer_weights([0.5, 0.3, 0.2]) == [5, 3, 2]
     assert integer_weights([3, 3]) == [1, 1] and integer_weights([2.5, 0.5]) == [5, 1]
     assert integer_weights([1 / 3, 2 / 3]) == [1, 2]
+    # Issue 43 item 1: a small weight is not rounded away (was [0, 999, 998] and [0, 1]).
+    assert integer_weights([0.0004, 0.5, 0.4996]) == [1, 1250, 1249]
+    assert integer_weights([0.0001, 0.9999]) == [1, 9999]
+
+
+FOUR_ORDERS = (("web", 1.0), ("code", 0.1), ("math", 0.01), ("web2", 0.001), ("code2", 0.0001))
+
+
+def test_weights_over_four_orders_of_magnitude_get_their_tokens(dirs):
+    """Issue 43 item 1: weights 1 .. 0.0001 (5 sources, 3 directories under 5 names): over
+    3 blocks (33,333 samples: 4,167 steps of 8) each source's tokens are exactly its weight's
+    share; over the first 500 steps (4,000 samples, a third of a block) within sampling error."""
+    entries = [f"{{path: {dirs[n.rstrip('2')]}, weight: {w}, name: {n}}}" for n, w in FOUR_ORDERS]
+    recipe = load_recipe(PARITY, ["data.kind=tokens", sources(*entries), "model.vocab_size=264"])
+    source, length = make_source(recipe), recipe.training.sequence_length
+    assert source.counts == [[10000, 1000, 100, 10, 1]]
+    picks = [source.pick(i)[0].name for i in range(3 * 11111)]
+    tokens = Counter({name: length * n for name, n in Counter(picks).items()})
+    total = sum(w for _, w in FOUR_ORDERS)
+    for name, w in FOUR_ORDERS:
+        assert tokens[name] == 3 * length * round(11111 * w / total), (name, tokens[name])
+        assert abs(tokens[name] / tokens.total() - w / total) < 1e-12
+    first = Counter(picks[:4000])  # hypergeometric: within 4 standard deviations
+    for name, w in FOUR_ORDERS:
+        share = w / total
+        assert abs(first[name] - 4000 * share) <= 4 * (4000 * share * (1 - share)) ** 0.5 + 1, (name, first)
+
+
+def test_weights_no_exact_block_holds_are_honoured_to_a_thousandth(dirs):
+    """Weights whose exact block is too large (1/7, 1/11, 1e-4 with lcm 770,000 x ...) get the
+    smallest block found that honours each to 0.1%; weights no block of 10^6 can honour are one
+    error line naming the source and the smallest weight that can be."""
+    weights = [1 / 7, 1 / 11, 1 / 13, 0.0001]
+    counts = integer_weights(weights)
+    assert counts is not None and min(counts) >= 1 and sum(counts) <= 10**6
+    for c, w in zip(counts, weights):
+        assert abs(c / sum(counts) - w / sum(weights)) <= 1e-3 * w / sum(weights), (counts, weights)
+    assert integer_weights([1e-7, 1.0]) is None
+    web, code = f"{{path: {dirs['web']}, weight: 1e-7}}", f"{{path: {dirs['code']}}}"
+    line = refused_line("data.kind=tokens", "training.eval_every=0", sources(web, code))
+    assert "data.sources[0].weight=1e-07" in line and "'web'" in line, line
+    assert "smallest weight that can be honoured there is 1.1e-06" in line, line
+    fixed = f"{{path: {dirs['web']}, weight: 1.1e-6}}"
+    ok = cli("validate", PARITY, "model.vocab_size=320", *NO_EVAL, sources(fixed, code))
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_each_source_takes_its_weight_exactly_in_every_block(dirs):
@@ -198,3 +245,22 @@ def test_a_mixture_without_validation_windows_is_refused_when_evaluating(dirs, t
         cli("validate", PARITY, "data.kind=tokens", both, "model.vocab_size=264", "training.eval_every=0").returncode
         == 0
     )
+
+
+def test_a_weight_of_one_in_ten_thousand_through_prepare_data_and_validate(tmp_path):
+    """Issue 43 item 1 at the door, as a user runs it: two directories from prepare-data, then
+    validate: 0.0001 / 0.9999 passes (a block of 10,000: 1 + 9,999), 1e-7 is one error line."""
+    for name in ("rare", "common"):
+        (tmp_path / f"{name}.txt").write_text(f"{name} text, some words of it. " * 200)
+        proc = cli_process("prepare-data", str(tmp_path / f"{name}.txt"), "--out", str(tmp_path / name),
+                           "--tokenizer", "byte", "--no-progress")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+
+    def validate(rare: str) -> subprocess.CompletedProcess:
+        common = f"{{path: {tmp_path / 'common'}, weight: 0.9999}}"
+        mix = sources(f"{{path: {tmp_path / 'rare'}, weight: {rare}}}", common)
+        return cli_process("validate", PARITY, "data.kind=tokens", mix, "model.vocab_size=264", "training.eval_every=0")
+
+    assert validate("0.0001").returncode == 0
+    line = one_error_line(validate("1e-7"))
+    assert "data.sources[0].weight=1e-07" in line and "'rare'" in line and "smallest weight" in line, line
