@@ -38,6 +38,13 @@ def add_prepare_parser(sub) -> None:
         "--loss-roles", default="assistant", help="--chat: comma-separated roles whose tokens count in the loss"
     )
     p.add_argument("--chat-template", help="--chat: a Jinja template file (default: the tokenizer's own)")
+    p.add_argument(
+        "--sequence-length",
+        type=int,
+        metavar="L",
+        help="--chat: the training.sequence_length you will train at; the report after the summary counts the rows "
+        "whose counted tokens do not fit in one sample of L + 1 tokens",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (shown only when stderr is a terminal)")
 
 
@@ -67,6 +74,12 @@ def run_prepare(args) -> None:
     )
     if options.hf_dataset is not None and options.inputs:
         raise DataError("prepare-data: give INPUT files or --hf-dataset, not both")
+    if args.sequence_length is not None and (not args.chat or args.sequence_length < 1):
+        raise DataError(f"--sequence-length {args.sequence_length}: a length >= 1, with --chat (its loss-mask report)")
     start, seconds = time.perf_counter(), {}
     meta = prepare(options, seconds)
     print(summary(args.out, meta, time.perf_counter() - start, seconds.get("tokenizer", 0.0)))
+    if args.chat:
+        from .chat_report import mask_report
+
+        print(mask_report(args.out, meta, args.sequence_length))

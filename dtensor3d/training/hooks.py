@@ -11,7 +11,8 @@ A hook implements any of (every method of `StepHook` is a no-op by default):
     close()                              always, last (also when the run stops early or fails)
 
 The hooks: the layout probe (logging.layout), profiling (logging.profile_steps), evaluation
-(training.eval_every), the metrics log and checkpointing (checkpoint.dir). Preemption and
+(training.eval_every), the metrics log, the skipped steps' warning (training/skip.py) and
+checkpointing (checkpoint.dir). Preemption and
 non-finite steps are faults (faults.Guard), which own no hook.
 """
 
@@ -31,6 +32,7 @@ from . import faults
 from .evaluate import eval_due, validation_loss
 from .metrics import MetricsLog, flops_per_token, mfu, peak_flops, peak_memory_gib
 from .profiling import StepProfiler
+from .skip import SkippedSteps
 
 
 class StepHook:
@@ -115,7 +117,8 @@ class MetricsLogging(StepHook):
 
     def after_step(self, state, metrics: dict, seconds: float) -> None:
         recipe = state.recipe
-        if state.step % recipe.logging.every and state.step != recipe.training.steps and "val_loss" not in metrics:
+        due = not state.step % recipe.logging.every or state.step == recipe.training.steps
+        if not due and "val_loss" not in metrics and not metrics.get("skipped"):  # a skipped step: always
             return
         tps = self.tokens_per_step / seconds
         utilisation = mfu(tps, self.flops_per_token, self.peak_flops, dist.get_world_size())
@@ -125,6 +128,22 @@ class MetricsLogging(StepHook):
 
     def close(self) -> None:
         self.log.close(announce=False)
+
+
+class SkipWarning(StepHook):
+    """Steps skipped for a reason (training/skip.py): one `warning:` line at the end of the
+    run (rank 0) with their fraction."""
+
+    def __init__(self):
+        self.skipped = SkippedSteps()
+
+    def after_step(self, state, metrics: dict, seconds: float) -> None:
+        self.skipped.count(metrics)
+
+    def at_end(self, state) -> None:
+        line = self.skipped.warning()
+        if line and is_rank0():
+            print(line, flush=True)
 
 
 class Checkpointing(StepHook):
@@ -164,6 +183,7 @@ def hooks(state, compute_context: Callable) -> list[StepHook]:
     """This run's hooks, in the order the loop calls them: the layout first (right after the
     step), evaluation before the log (the record carries val_loss), checkpointing last."""
     found: list[StepHook] = [LayoutProbe(), Profiling(state), Evaluation(compute_context), MetricsLogging(state)]
+    found.append(SkipWarning())
     if state.recipe.checkpoint.dir:
         found.append(Checkpointing(state))
     return found

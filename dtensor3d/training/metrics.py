@@ -110,6 +110,8 @@ def console_line(record: dict, elapsed: float, eta: float | None) -> str:
         parts.insert(2, f"val_loss {record['val_loss']:.4f}")
     if "aux_loss" in record:
         parts.append(f"aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max_over_mean']:.2f}")
+    if record.get("skipped"):
+        parts.insert(1, f"skipped ({record['skip_reason']}: no optimizer step)")
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
     parts.append(f"elapsed {_hms(elapsed)}" + (f" eta {_hms(eta)}" if eta is not None else ""))

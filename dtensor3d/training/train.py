@@ -33,7 +33,7 @@ from ..parallel import context, data, expert, pipeline, tensor, tied
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
-from . import balance, faults, hooks
+from . import balance, faults, hooks, skip
 from .optim import build_optimizer, clip_, grad_sq_partial, replication
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
@@ -191,7 +191,8 @@ def train_step(
     lr = lr_at(state.step, recipe.optimizer, recipe.training.steps)
     # A NaN/inf loss or norm is the same on every rank (all-reduced): all skip the update.
     bad = faults.nonfinite(state.model, state.coords["pp"], loss, grad_norm)
-    if bad is None:
+    reason = skip.reason_to_skip(loss_tokens, loss, grad_norm)  # the same on every rank (training/skip.py)
+    if bad is None and reason is None:
         clip_(state.params, grad_norm, recipe.optimizer.clip_grad)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
@@ -201,6 +202,8 @@ def train_step(
     metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
     if bad is not None:
         metrics["nonfinite"] = bad  # the loop stops or counts it (faults.SkipCount)
+    if reason is not None:
+        skip.mark(metrics, reason)
     if recipe.model.num_local_experts:
         _moe_metrics(state, metrics, stats[2 : 2 + len(moe)])
     metrics.update(source_metrics(stats[2 + len(moe) :].view(-1, 2), state.source_names))
