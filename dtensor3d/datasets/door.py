@@ -20,6 +20,7 @@ import numpy as np
 from ..config.data_sources import unique_sources
 from ..errors import DataError
 from .tokendir import META, TOKENIZER, docs_name, mask_name, read_meta, sha256_file
+from .tokens import window_count
 
 BLOCK = 1 << 24  # tokens per block of the id range check
 
@@ -69,7 +70,7 @@ def check_token_file(path: str, sequence_length: int, vocab: int) -> None:
             f"data.path {path!r} is neither a prepared directory nor a token file (.npy, .bin); for text, run "
             f"python -m dtensor3d prepare-data {path} --out DIR --tokenizer byte and give data.path=DIR"
         )
-    if len(tokens) < sequence_length + 1:
+    if window_count(len(tokens), sequence_length) < 1:
         raise DataError(
             f"data.path {path!r} holds {len(tokens)} tokens, fewer than one sample of training.sequence_length + 1 "
             f"= {sequence_length + 1}"
@@ -108,7 +109,7 @@ def check_prepared_dir(path: str, recipe, hashes: bool) -> dict:
     for split in ("train", "val"):
         _check_files(path, meta, split, hashes)
     tokens = meta["splits"]["train"]["tokens"]
-    if tokens < length + 1:
+    if window_count(tokens, length) < 1:
         raise DataError(
             f"data.path {path!r} holds {tokens} training tokens, fewer than one sample of "
             f"training.sequence_length + 1 = {length + 1}"
@@ -124,9 +125,9 @@ def _check_validation(recipe, hashes: bool) -> None:
         if not os.path.isdir(d.validation):
             raise DataError(f"data.validation {d.validation!r}: no such directory; give 'split' or a prepared one")
         meta = check_prepared_dir(d.validation, recipe, hashes)
-        if max(meta["splits"]["val"]["tokens"], meta["splits"]["train"]["tokens"]) >= length + 1:
+        if window_count(max(meta["splits"]["val"]["tokens"], meta["splits"]["train"]["tokens"]), length) >= 1:
             return
-    elif read_meta(d.path)["splits"]["val"]["tokens"] >= length + 1:
+    elif window_count(read_meta(d.path)["splits"]["val"]["tokens"], length) >= 1:
         return
     where = d.path if d.validation == "split" else d.validation
     raise DataError(
@@ -158,7 +159,7 @@ def _check_mixture(recipe, hashes: bool) -> None:
             )
         seen.append(meta["splits"]["val"]["tokens"])
     if recipe.training.eval_every > 0 and recipe.data.validation == "split":
-        if max(seen) < recipe.training.sequence_length + 1:
+        if window_count(max(seen), recipe.training.sequence_length) < 1:
             raise DataError(
                 f"data.validation=split: no source of the mixture has a validation window of "
                 f"{recipe.training.sequence_length + 1} tokens; prepare one with --val-fraction, give a "

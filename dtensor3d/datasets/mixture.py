@@ -31,7 +31,7 @@ from ..config.data_sources import Source, mixtures_of
 from ..config.mixture_weights import integer_weights, weights_problem
 from ..errors import DataError
 from .tokendir import read_meta
-from .tokens import FeistelPermutation, TrainWindows, ValidationWindows, mix64
+from .tokens import FeistelPermutation, TrainWindows, ValidationWindows, mix64, window_count
 
 
 def block_counts(where: str, sources) -> list[int]:
@@ -138,7 +138,7 @@ class MixtureValidation:
         self.parts = []
         for s in mixture_sources:
             meta = read_meta(s.path)
-            if meta["splits"]["val"]["tokens"] > sequence_length:
+            if window_count(meta["splits"]["val"]["tokens"], sequence_length) >= 1:
                 self.parts.append(ValidationWindows(s.path, "val", sequence_length, meta))
         self.count = sum(p.count for p in self.parts)
         if self.count < 1:

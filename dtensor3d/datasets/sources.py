@@ -26,19 +26,22 @@ def synthetic_sample(seed: int, index: int, length: int, vocab_size: int) -> tor
 
 class TokenFile:
     """A flat file of token ids (.npy of any integer dtype, or nanoGPT's uint16 .bin),
-    memory-mapped; sample i is the window starting at i * sequence_length (wrapping)."""
+    memory-mapped; sample i is window i mod W of its W = tokens.window_count windows of L + 1
+    tokens (window w: tokens [w * L, w * L + L]), in file order."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, sequence_length: int):
+        from .tokens import window_count
+
         self.tokens = (
             np.load(path, mmap_mode="r") if path.endswith(".npy") else np.memmap(path, dtype=np.uint16, mode="r")
         )
+        self.length, self.windows = sequence_length, window_count(len(self.tokens), sequence_length)
+        if self.windows < 1:  # the door refuses such a file first
+            raise DataError(f"data.path {path!r}: {len(self.tokens)} tokens, fewer than one sample")
 
-    def sample(self, index: int, length: int) -> torch.Tensor:
-        n = len(self.tokens) - length
-        if n <= 0:
-            raise ValueError(f"token file has {len(self.tokens)} tokens, fewer than one sample of {length}")
-        start = (index * (length - 1)) % n
-        return torch.from_numpy(np.asarray(self.tokens[start : start + length], dtype=np.int64))
+    def sample(self, index: int) -> torch.Tensor:
+        start = (index % self.windows) * self.length
+        return torch.from_numpy(np.asarray(self.tokens[start : start + self.length + 1], dtype=np.int64))
 
 
 # Synthetic validation samples come from their own seed stream, disjoint from training's.
@@ -89,8 +92,7 @@ def make_source(recipe, split: str = "train"):
             raise DataError(
                 f"data.path={d.path!r}: a single token file has no validation split; set training.eval_every: 0"
             )
-        tf = TokenFile(d.path)
-        return lambda i: tf.sample(i, length)
+        return TokenFile(d.path, t.sequence_length).sample
     seed = data_seed(recipe) + (SYNTHETIC_VALIDATION_SEED if split == "validation" else 0)
     return lambda i: synthetic_sample(seed, i, length, recipe.model.vocab_size)
 

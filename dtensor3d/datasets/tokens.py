@@ -75,6 +75,14 @@ class FeistelPermutation:
         return x
 
 
+def window_count(tokens: int, sequence_length: int) -> int:
+    """The samples a stream of `tokens` tokens holds: windows of L + 1 tokens, window w being
+    tokens [w * L, w * L + L] (consecutive windows share one token), so (tokens - 1) // L; one
+    sample needs L + 1 tokens. The one definition the door (door.py) and every reader (this
+    module, sources.TokenFile) use."""
+    return max(0, (tokens - 1) // sequence_length)
+
+
 def window_documents(offsets: np.ndarray, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, document ids), each int64 [length], of stream tokens [start, start + length):
     a token's position counts from its document's first token or from `start`, whichever is
@@ -134,7 +142,7 @@ class TrainWindows:
     def __init__(self, path: str, sequence_length: int, seed: int, meta: dict | None = None):
         self.stream = TokenStream(path, meta or read_meta(path), "train")
         self.length, self.seed = sequence_length, seed
-        self.windows = (self.stream.tokens - 1) // sequence_length
+        self.windows = window_count(self.stream.tokens, sequence_length)
         if self.windows < 1:
             raise DataError(f"data.path {path!r}: {self.stream.tokens} training tokens, fewer than one sample")
         self._perm, self._perm_epoch = None, -1
@@ -171,7 +179,7 @@ class ValidationWindows:
     def __init__(self, path: str, split: str, sequence_length: int, meta: dict | None = None):
         self.stream = TokenStream(path, meta or read_meta(path), split)
         self.length = sequence_length
-        self.count = (self.stream.tokens - 1) // sequence_length
+        self.count = window_count(self.stream.tokens, sequence_length)
         if self.count < 1:
             raise DataError(
                 f"data.validation: {path!r} split {split!r} has {self.stream.tokens} tokens, fewer than one "

@@ -80,6 +80,37 @@ def test_bad_token_files(tmp_path, name, content, needle):
     assert needle in line and str(path) in line, line
 
 
+def test_a_token_file_of_exactly_one_sample_is_valid(tmp_path):
+    """Issue 43 item 19: sequence_length + 1 = 33 tokens is one sample: validate passes (.npy and
+    .bin) and the sampler reads that window; the door and the sampler count samples with one
+    definition (tokens.window_count), so at every file length they agree."""
+    from dtensor3d.datasets.door import check_token_file
+    from dtensor3d.datasets.sources import TokenFile
+    from dtensor3d.errors import DataError
+
+    ids = np.arange(33, dtype=np.int32) * 7 % 256
+    np.save(tmp_path / "one.npy", ids)
+    ids.astype(np.uint16).tofile(tmp_path / "one.bin")
+    for name in ("one.npy", "one.bin"):
+        args = [PARITY, "data.kind=tokens", f"data.path={tmp_path / name}", NO_EVAL]
+        proc = run(sys.executable, "-m", "dtensor3d", "validate", *args)
+        assert proc.returncode == 0, proc.stderr
+        assert TokenFile(str(tmp_path / name), 32).sample(5).tolist() == ids.tolist()  # the one window, every time
+    for n in range(20, 120):
+        path = tmp_path / f"{n}.npy"
+        np.save(path, np.arange(n, dtype=np.int32) % 256)
+        try:
+            check_token_file(str(path), 32, 256)
+            door = True
+        except DataError:
+            door = False
+        assert door == (n >= 33), n
+        if door:
+            tf = TokenFile(str(path), 32)
+            assert tf.windows == (n - 1) // 32
+            assert all(len(tf.sample(i)) == 33 for i in range(2 * tf.windows)), n
+
+
 def test_a_single_token_file_has_no_validation_split(tmp_path):
     np.save(tmp_path / "ok.npy", np.arange(4096, dtype=np.int64) % 256)
     assert "training.eval_every" in refused(tmp_path / "ok.npy", commands=("validate",))

@@ -55,3 +55,16 @@ def test_npy_and_bin_token_files_train_alike(tmp_path):
     with torch.no_grad():
         want = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).item()
     assert abs(npy[0]["loss"] - want) <= 1e-5 * want, (npy[0]["loss"], want)
+
+
+def test_a_token_file_of_exactly_one_sample_trains(tmp_path):
+    """Issue 43 item 19: 33 tokens (sequence_length 32 + 1) passed the door and then died at
+    the first step with a traceback; it is one sample, read by every row of every batch."""
+    ids = (np.arange(33) * 7 % 256).astype(np.int32)
+    np.save(tmp_path / "one.npy", ids)
+    records = train(tmp_path / "run", "data.kind=tokens", f"data.path={tmp_path / 'one.npy'}")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["loss"] < records[0]["loss"]  # the one window, learned
+    recipe = load_recipe(PARITY, [*SMALL, "data.kind=tokens", f"data.path={tmp_path / 'one.npy'}"])
+    inputs, targets = local_batch(recipe, make_source(recipe), 2)
+    assert all(row.tolist() == ids[:-1].tolist() for row in inputs) and targets[:, -1].eq(int(ids[-1])).all()
