@@ -38,7 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("validate", help="check a recipe; print the processes per node")
     check.add_argument("--nnodes", default="1", help="N, or an elastic range MIN:MAX (launch.sh's NNODES)")
     check.add_argument("--nproc-per-node", type=int, default=0, help="processes per node (NPROC_PER_NODE; 0: unset)")
-    check.add_argument("--explain", metavar="KEY", help="print a recipe field's doc, type, default and valid values")
+    check.add_argument(
+        "--explain",
+        metavar="KEY",
+        help="print a recipe field's doc, type, default and valid values (a section name: each of its keys)",
+    )
     for p in (train, plan, check):
         p.add_argument("recipe", nargs="?" if p is check else None, help="path of a YAML recipe")
         p.add_argument("overrides", nargs="*", help="key.path=value")

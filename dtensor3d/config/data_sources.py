@@ -145,6 +145,19 @@ def mixture_problem(data) -> str | None:
     return None
 
 
+def data_warning(data, steps: int, eval_every: int) -> str | None:
+    """What the data section asks that will not happen, for load's one warning line: stages
+    that begin after the last step, and evaluation without validation windows."""
+    parts = []
+    stages = enumerate(data.stages or ())
+    late = [f"data.stages[{i}].start_step={s.start_step}" for i, s in stages if s.start_step > steps]
+    if late:
+        parts.append(f"{', '.join(late)} past training.steps={steps}: never begins, its sources are never read")
+    if data.kind == "tokens" and data.validation is None and eval_every > 0:
+        parts.append(f"data.validation=null: no validation windows, training.eval_every={eval_every} evaluates nothing")
+    return "; ".join(parts) or None
+
+
 def mixtures_of(data) -> list[tuple[str, tuple[Source, ...]]]:
     """(key, sources) of each mixture the data section names, in step order (data.path is a
     mixture of one source, named after its directory)."""

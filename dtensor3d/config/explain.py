@@ -1,5 +1,5 @@
 """The recipe's reference, generated from the field declarations (config/schema.py):
-`validate --explain KEY` for one field, and docs/recipe.md for all of them
+`validate --explain KEY` for one field (`--explain SECTION`: each key of a section), and docs/recipe.md for all of them
 (`python -m dtensor3d.config.explain > docs/recipe.md`; a test checks it is current)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _field(key: str) -> tuple[str, dataclasses.Field]:
     """(section, field) of `section.key` or an alias of it; a RecipeError naming the valid keys."""
     section, _, name = key.partition(".")
     if section not in _SECTION_CLASSES or not name:
-        raise RecipeError(f"--explain {key!r}: expected section.key with a section of {', '.join(_SECTION_CLASSES)}")
+        raise RecipeError(f"--explain {key!r}: expected a section ({', '.join(_SECTION_CLASSES)}) or section.key")
     name = ALIASES.get((section, name), name)
     by_name = {f.name: f for f in dataclasses.fields(_SECTION_CLASSES[section])}
     if name not in by_name:
@@ -33,8 +33,23 @@ def _field(key: str) -> tuple[str, dataclasses.Field]:
     return section, by_name[name]
 
 
+def explain_section(section: str) -> str:
+    """A whole section: its doc, then each key with its type, default and one-line doc."""
+    cls = _SECTION_CLASSES[section]
+    lines = [f"{section}: {' '.join((cls.__doc__ or '').split())}"]
+    width = max(len(f.name) for f in dataclasses.fields(cls))
+    for f in dataclasses.fields(cls):
+        kind = fields.type_text(TYPES[section][f.name])
+        lines.append(f"  {section}.{f.name:<{width}}  {f.metadata[fields.DOC]} ({kind}; default {_default(f)})")
+    lines.append(f"validate --explain {section}.KEY prints one key's bounds and other spellings")
+    return "\n".join(lines)
+
+
 def explain(key: str) -> str:
-    """A field's doc, type, default, bounds and aliases, a line each."""
+    """A field's doc, type, default, bounds and aliases, a line each; for a section name
+    alone, every key of the section (explain_section)."""
+    if key in _SECTION_CLASSES:
+        return explain_section(key)
     section, f = _field(key)
     meta = f.metadata
     lines = [f"{section}.{f.name}: {meta[fields.DOC]}", f"  type: {fields.type_text(TYPES[section][f.name])}"]

@@ -15,7 +15,7 @@ import yaml
 from ..errors import RecipeError, is_rank0
 from . import nanotron, nanotron_keys
 from .checks import validate
-from .data_sources import Source, Stage, parse_sources, parse_stages
+from .data_sources import Source, Stage, data_warning, parse_sources, parse_stages
 from .fields import choices_of, unwrap_optional
 from .hf_config import hf_model_values, read_config_json
 from .lr import decay_past_end
@@ -36,12 +36,24 @@ def _kind(tp: Any) -> str:
     return kinds.get(tp) or {tuple[Source, ...]: "sources", tuple[Stage, ...]: "stages"}[tp]
 
 
+# Optional list keys whose null is not "none": [] is refused with what null means there.
+EMPTY_IS_NOT_NULL = {
+    "model.moe_layers": "null means every layer has experts; a dense model sets model.num_local_experts: 0",
+}
+
+
 def _coerce(where: str, value: Any, tp: Any) -> Any:
     """Check one value against its field's type; return it in canonical form."""
     base, optional = unwrap_optional(tp)
     ann = _kind(base)
     if (value is None or value == "") and optional:  # an empty value unsets an optional field
         return None
+    if optional and ann == "str" and not choices_of(base) and str(value).lower() in ("none", "null"):
+        return None  # data.validation=none: a path key's "none" is null, not a directory named none
+    if optional and ann not in ("int", "float", "bool", "str", "dict") and value in ([], ()):
+        if where in EMPTY_IS_NOT_NULL:  # an empty list that would not mean "none"
+            raise RecipeError(f"{where}=[]: an empty list; {EMPTY_IS_NOT_NULL[where]}")
+        return None  # data.stages=[]: none, as null
     if ann == "int" and isinstance(value, int) and not isinstance(value, bool):
         return value
     if ann == "float" and not isinstance(value, bool):
@@ -330,8 +342,10 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = (), world_si
 
 def _warn(recipe: Recipe, conv: nanotron.Conversion | None) -> None:
     """One warning line per job (rank 0, or outside torchrun): the nanotron keys ignored or
-    approximated, and a decay the user wrote that ends past training.steps."""
+    approximated, a decay the user wrote that ends past training.steps, and the data section's
+    (data_sources.data_warning: a stage past the last step, evaluation without validation)."""
     parts = [nanotron.warning_line(conv) if conv else None, decay_past_end(recipe.optimizer, recipe.training.steps)]
+    parts.append(data_warning(recipe.data, recipe.training.steps, recipe.training.eval_every))
     text = "; ".join(part.removeprefix("warning: ") for part in parts if part)
     if text and is_rank0():
         print(f"warning: {text}", file=sys.stderr, flush=True)

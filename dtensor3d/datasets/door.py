@@ -119,8 +119,8 @@ def check_prepared_dir(path: str, recipe, hashes: bool) -> dict:
 
 def _check_validation(recipe, hashes: bool) -> None:
     d, length = recipe.data, recipe.training.sequence_length
-    if d.validation is None:
-        raise DataError("data.validation is null but training.eval_every > 0; give 'split' or a prepared directory")
+    if d.validation is None:  # no validation (load warns that eval_every is ignored)
+        return
     if d.validation != "split":
         if not os.path.isdir(d.validation):
             raise DataError(f"data.validation {d.validation!r}: no such directory; give 'split' or a prepared one")
@@ -136,25 +136,40 @@ def _check_validation(recipe, hashes: bool) -> None:
     )
 
 
+def _named(where: str, source) -> str:
+    """A mixture source as its errors name it: data.sources[1].path 'DIR' (source 'code')."""
+    key = where if where == "data.path" else f"{where}.path"
+    return f"{key} {source.path!r} (source {source.name!r})"
+
+
+def _check_source(where: str, source, recipe, hashes: bool) -> dict:
+    """One mixture source checked as data.path is, its errors naming its key and name."""
+    if not os.path.isdir(source.path):
+        raise DataError(f"{_named(where, source)}: no such directory; give a prepared directory (prepare-data)")
+    try:
+        return check_prepared_dir(source.path, recipe, hashes)
+    except DataError as e:
+        text, said = str(e), f"data.path {source.path!r}"
+        raise DataError(
+            text.replace(said, _named(where, source), 1) if said in text else f"{_named(where, source)}: {text}"
+        ) from None
+
+
 def _check_mixture(recipe, hashes: bool) -> None:
     """data.sources / data.stages: each source a prepared directory (checked as data.path is),
     all with one tokenizer (tokenizer.json's bytes) and one vocabulary; with eval_every > 0
     and data.validation split, at least one validation window among them."""
     first, seen = None, []
     for where, source in unique_sources(recipe.data):
-        if not os.path.isdir(source.path):
-            raise DataError(
-                f"{where}.path {source.path!r}: no such directory; give a prepared directory (prepare-data)"
-            )
-        meta = check_prepared_dir(source.path, recipe, hashes)
+        meta = _check_source(where, source, recipe, hashes)
         file = os.path.join(source.path, TOKENIZER)
         tokenizer = (meta["vocab_size"], sha256_file(file) if os.path.isfile(file) else None)
         if first is None:
-            first = (where, source.path, tokenizer)
-        elif tokenizer != first[2]:
+            first = (_named(where, source), tokenizer)
+        elif tokenizer != first[1]:
             raise DataError(
-                f"{where}.path {source.path!r}: its tokenizer ({TOKENIZER}, vocabulary {tokenizer[0]}) differs from "
-                f"{first[0]}'s {first[1]!r} (vocabulary {first[2][0]}); a mixture's sources share one tokenizer: "
+                f"{_named(where, source)}: its tokenizer ({TOKENIZER}, vocabulary {tokenizer[0]}) differs from "
+                f"{first[0]}'s (vocabulary {first[1][0]}); a mixture's sources share one tokenizer: "
                 "prepare them with the same --tokenizer"
             )
         seen.append(meta["splits"]["val"]["tokens"])
@@ -200,9 +215,10 @@ def check_data_at_door(recipe, hashes: bool = False) -> None:
         if recipe.training.eval_every > 0:
             _check_validation(recipe, hashes)
     else:
-        if recipe.training.eval_every > 0:
+        if recipe.training.eval_every > 0 and d.validation is not None:
             raise DataError(
                 f"data.path {d.path!r} is a single token file, which has no validation split; set "
-                "training.eval_every: 0 or prepare a directory with prepare-data"
+                "training.eval_every: 0 or data.validation: null (no validation), or prepare a directory with "
+                "prepare-data"
             )
         check_token_file(d.path, recipe.training.sequence_length, recipe.model.vocab_size)

@@ -22,7 +22,10 @@ from . import balance
 
 
 def eval_due(recipe, step: int) -> bool:
-    every = recipe.training.eval_every
+    """training.eval_every's steps; never with data.validation null (none) on prepared data."""
+    every, d = recipe.training.eval_every, recipe.data
+    if d.kind == "tokens" and d.validation is None:  # no validation (a warning at load: config/data_sources.py)
+        return False
     return every > 0 and (step % every == 0 or step == recipe.training.steps)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import cli, one_error_line
+from helpers import PARITY, cli, one_error_line
 
 from dtensor3d.config.checks import validate
 from dtensor3d.config.load import load_recipe, parse_override, recipe_from_dict
@@ -749,6 +749,37 @@ def test_explain_every_key_and_alias(capsys):
     assert main(["validate", "--explain", "training.stepz"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean 'training.steps'?" in err[0]
+
+
+def test_explain_a_whole_section_lists_its_keys():
+    """Issue 43 item 10: `validate --explain data` (a section, as a user types it) lists every
+    key of the section with its one-line doc, as docs/recipe.md does."""
+    import dataclasses
+
+    from helpers import cli_process
+
+    from dtensor3d.config.schema import _SECTION_CLASSES
+
+    for section in ("data", "checkpoint"):
+        proc = cli_process("validate", "--explain", section)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0].startswith(f"{section}: ")
+        for f in dataclasses.fields(_SECTION_CLASSES[section]):
+            row = next(ln for ln in lines if ln.split()[0] == f"{section}.{f.name}")
+            assert f.metadata["doc"] in row, row
+    line = one_error_line(cli("validate", "--explain", "dat"))
+    assert "a section (model, parallelism" in line and "section.key" in line, line
+
+
+def test_an_empty_list_is_none_where_null_is_none_and_refused_saying_what_null_is():
+    """Issue 43 item 8: a list override that empties a list: [] is null where null means none
+    (data.stages, data.sources, logging.profile_steps), and refused, saying what null means,
+    where it does not (model.moe_layers: null is every layer)."""
+    recipe = load_recipe(PARITY, ["data.stages=[]", "logging.profile_steps=[]"])
+    assert recipe.data.stages is None and recipe.logging.profile_steps is None
+    line = one_error_line(cli("validate", PARITY, "model.num_local_experts=4", "model.moe_layers=[]"))
+    assert "model.moe_layers=[]" in line and "null means every layer" in line, line
 
 
 @pytest.mark.parametrize(

@@ -264,3 +264,55 @@ def test_a_weight_of_one_in_ten_thousand_through_prepare_data_and_validate(tmp_p
     assert validate("0.0001").returncode == 0
     line = one_error_line(validate("1e-7"))
     assert "data.sources[0].weight=1e-07" in line and "'rare'" in line and "smallest weight" in line, line
+
+
+# ---------------------------------------------------------------- issue 43 items 6-9, at the door
+def test_a_broken_source_is_named_by_its_key_and_name(dirs, tmp_path):
+    """Item 6: errors about a mixture source named data.path; they name data.sources[i].path
+    and the source's name (a truncated shard, a directory without meta.json)."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(dirs["code"], broken)
+    shard = broken / "train_00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    (tmp_path / "empty").mkdir()
+    web = f"{{path: {dirs['web']}}}"
+    for bad, needle in (
+        (f"{{path: {broken}, name: code}}", "bytes, but meta.json records"),
+        (f"{{path: {tmp_path / 'empty'}}}", "no meta.json"),
+    ):
+        line = refused_line(*NO_EVAL, sources(web, bad))
+        assert "data.path" not in line and "data.sources[1].path" in line and "(source '" in line, line
+        assert needle in line, line
+    stage = f"data.stages=[{{start_step: 3, sources: [{{path: {broken}, name: code}}]}}]"
+    line = refused_line(*NO_EVAL, sources(web), stage)
+    assert "data.stages[0].sources[0].path" in line and "(source 'code')" in line, line
+
+
+def test_a_stage_past_the_last_step_is_one_warning(dirs):
+    """Item 7: a stage beginning after training.steps never runs: validate passes with one
+    `warning:` line naming it."""
+    stage = f"data.stages=[{{start_step: 900, sources: [{{path: {dirs['code']}}}]}}]"
+    proc = cli_process("validate", PARITY, *NO_EVAL, sources(f"{{path: {dirs['web']}}}"), stage, "model.vocab_size=264")
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1, proc.stderr
+    assert "data.stages[0].start_step=900 past training.steps=10: never begins" in warnings[0], warnings
+
+
+def test_empty_lists_and_none_where_they_mean_none(dirs):
+    """Items 8 and 9: data.stages=[] and data.sources=[] are none (as null); data.validation=none
+    (or null) is no validation: validate passes with eval_every 5 and one warning; training
+    evaluates nothing."""
+    from dtensor3d.training.evaluate import eval_due
+
+    recipe = load_recipe(PARITY, [*NO_EVAL, f"data.path={dirs['web']}", "data.stages=[]", "data.sources=[]"])
+    assert recipe.data.stages is None and recipe.data.sources is None
+    for none in ("none", "null", "None"):
+        recipe = load_recipe(PARITY, ["data.kind=tokens", f"data.path={dirs['web']}", f"data.validation={none}"])
+        assert recipe.data.validation is None and not any(eval_due(recipe, s) for s in range(1, 11))
+    proc = cli_process("validate", PARITY, "data.kind=tokens", f"data.path={dirs['web']}", "data.validation=none",
+                       "model.vocab_size=264")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("warning:") == 1 and "data.validation=null: no validation windows" in proc.stderr
