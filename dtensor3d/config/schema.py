@@ -162,7 +162,9 @@ class DataConfig:
     kind: Literal["synthetic", "tokens"] = knob("synthetic", "synthetic: seeded random tokens; tokens: data.path")
     path: str | None = knob(None, "tokens: a prepared directory (prepare-data) or one .npy / .bin token file")
     seed: int | None = knob(None, "the sample order's seed; null: training.seed")
-    validation: str | None = knob("split", "validation windows: split (held-out documents), a prepared dir, or null")
+    validation: str | None = knob(
+        "split", "validation windows: split (held-out documents), a prepared dir, or null (also none): no validation"
+    )
     sources: tuple[Source, ...] | None = knob(None, "a weighted mixture of prepared directories, not data.path")
     stages: tuple[Stage, ...] | None = knob(None, "mixtures taking over at steps (start_step counts from 1)")
     document_masking: bool = knob(
