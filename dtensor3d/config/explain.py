@@ -68,7 +68,7 @@ def recipe_markdown() -> str:
         "",
         "Generated from the field declarations in `dtensor3d/config/schema.py` by",
         "`python -m dtensor3d.config.explain > docs/recipe.md` (a test checks it is current).",
-        "`python -m dtensor3d validate --explain section.key` prints one field.",
+        "`python -m dtensor3d validate --explain section.key` prints one field, `--explain section` them all.",
     ]
     for section, cls in _SECTION_CLASSES.items():
         out += ["", f"## `{section}`", "", (cls.__doc__ or "").strip(), ""]
