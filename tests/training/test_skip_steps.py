@@ -16,7 +16,9 @@ from helpers import PARITY, WORDS, chat_tokenizer_dir, cli_process, scheduled_lr
 from safetensors.torch import load_file
 
 from dtensor3d.config.load import load_recipe
+from dtensor3d.datasets.chat_report import mask_counts
 from dtensor3d.datasets.sources import make_source
+from dtensor3d.datasets.tokendir import read_meta
 from dtensor3d.parallel.data import loss_tokens
 
 STEPS = 8
@@ -65,6 +67,9 @@ def test_a_step_without_counted_tokens_is_skipped_and_changes_no_weight(tmp_path
     assert line.startswith(f"chat: {share}"), line
     assert f"{beyond:,} rows have counted tokens beyond their first 33 tokens (one sample), {none:,} of them" in line
     assert none == 40, line  # every reply lies past its row's first sample
+    c = mask_counts(str(out), read_meta(str(out)), 300)  # some rows fit, some reach past, some have none within
+    assert (c["counted"], c["tokens"], c["beyond"], c["none_within"]) == row_report(out, 300)
+    assert 0 < c["none_within"] < c["beyond"] < 40, c
 
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     extra = [f"data.path={out}", "logging.every=4", f"checkpoint.dir={ckpt}", "checkpoint.interval=1",
