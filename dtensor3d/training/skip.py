@@ -23,9 +23,11 @@ from __future__ import annotations
 NO_COUNTED_TOKENS = "no counted tokens"
 
 
-def reason_to_skip(loss_tokens: int | None, loss: float, grad_norm: float) -> str | None:
-    """Why this step must not be applied (the same on every rank), or None to apply it.
-    `loss_tokens`: the global count of counted targets (None: every target counts)."""
+def reason_to_skip(state, loss_tokens: int | None, loss: float, grad_norm: float) -> str | None:
+    """Why this step must not be applied (the same on every rank), or None to apply it: the
+    first reason that holds. `state`: the TrainState (a check with its own history keeps it
+    there); `loss_tokens`: the global count of counted targets (None: every target counts);
+    `loss`, `grad_norm`: the step's, all-reduced."""
     if loss_tokens == 0:
         return NO_COUNTED_TOKENS
     return None

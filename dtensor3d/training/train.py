@@ -191,7 +191,7 @@ def train_step(
     lr = lr_at(state.step, recipe.optimizer, recipe.training.steps)
     # A NaN/inf loss or norm is the same on every rank (all-reduced): all skip the update.
     bad = faults.nonfinite(state.model, state.coords["pp"], loss, grad_norm)
-    reason = skip.reason_to_skip(loss_tokens, loss, grad_norm)  # the same on every rank (training/skip.py)
+    reason = skip.reason_to_skip(state, loss_tokens, loss, grad_norm)  # the same on every rank (training/skip.py)
     if bad is None and reason is None:
         clip_(state.params, grad_norm, recipe.optimizer.clip_grad)
         for group in state.optimizer.param_groups:
