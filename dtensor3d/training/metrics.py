@@ -184,9 +184,10 @@ class MetricsLog:
         if self.writer is not None:
             self.writer.close()
         records = self.earlier + self.records
-        if records:
-            val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-            write_loss_svg(os.path.join(self.run_dir, "loss.svg"), [(r["step"], r["loss"]) for r in records], val)
+        points = [(r["step"], r["loss"]) for r in records if not r.get("skipped")]  # a skipped step's 0 is no loss
+        val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        if points or val:
+            write_loss_svg(os.path.join(self.run_dir, "loss.svg"), points, val)
         if announce:
             self.done(checkpoint)
 

@@ -88,6 +88,8 @@ def test_a_step_without_counted_tokens_is_skipped_and_changes_no_weight(tmp_path
     warnings = [ln for ln in proc.stdout.splitlines() if ln.startswith("warning:")]
     fraction = f"{len(empty)} of {STEPS} steps ({len(empty) / STEPS:.1%}) had no counted tokens"
     assert len(warnings) == 1 and warnings[0].startswith(f"warning: {fraction}"), warnings
+    curve = re.search(r'points="([^"]*)"', (run / "loss.svg").read_text()).group(1).split()
+    assert len(curve) == len([s for s in records if s not in skipped])  # a skipped step's 0 is not drawn as a loss
     # The schedule moves on (OLMo-core's skip-step): each logged step's lr is its step's.
     lrs = scheduled_lrs(PARITY, [*TRAIN, f"data.path={out}"])
     assert all(abs(r["lr"] - lrs[s - 1]) <= 1e-12 for s, r in records.items())
