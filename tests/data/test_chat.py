@@ -99,3 +99,16 @@ def test_bad_chat_input_is_one_error_line_and_writes_nothing(tmp_path):
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
     refused(good, r"tokenizer '.*plain' has no chat template .*--chat-template FILE", tokenizer=str(tmp_path / "plain"))
+
+
+def test_sequence_length_is_for_the_chat_report_only(tmp_path):
+    """prepare-data --sequence-length L (issue 43 item 2's report) without --chat, or below 1:
+    one error line, nothing written."""
+    data = write_jsonl(tmp_path / "a.jsonl", chat_rows(3))
+    for extra in (["--tokenizer", "byte", "--text-field", "messages"], ["--chat", "--tokenizer", "byte"]):
+        length = "32" if "--chat" not in extra else "0"
+        line = one_error_line(
+            cli("prepare-data", str(data), *extra, "--out", str(tmp_path / "o"), "--sequence-length", length)
+        )
+        assert f"--sequence-length {length}: a length >= 1, with --chat" in line, line
+        assert not (tmp_path / "o").exists()
