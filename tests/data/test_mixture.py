@@ -286,7 +286,8 @@ def test_a_broken_source_is_named_by_its_key_and_name(dirs, tmp_path):
         assert "data.path" not in line and "data.sources[1].path" in line and "(source '" in line, line
         assert needle in line, line
     stage = f"data.stages=[{{start_step: 3, sources: [{{path: {broken}, name: code}}]}}]"
-    line = refused_line(*NO_EVAL, sources(web), stage)
+    proc = cli_process("validate", PARITY, "model.vocab_size=320", *NO_EVAL, sources(web), stage)  # as a user runs it
+    line = one_error_line(proc)
     assert "data.stages[0].sources[0].path" in line and "(source 'code')" in line, line
 
 
@@ -307,8 +308,11 @@ def test_empty_lists_and_none_where_they_mean_none(dirs):
     evaluates nothing."""
     from dtensor3d.training.evaluate import eval_due
 
-    recipe = load_recipe(PARITY, [*NO_EVAL, f"data.path={dirs['web']}", "data.stages=[]", "data.sources=[]"])
+    emptied = [*NO_EVAL, f"data.path={dirs['web']}", "data.stages=[]", "data.sources=[]"]
+    recipe = load_recipe(PARITY, emptied)
     assert recipe.data.stages is None and recipe.data.sources is None
+    proc = cli_process("validate", PARITY, *emptied, "model.vocab_size=264")
+    assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr
     for none in ("none", "null", "None"):
         recipe = load_recipe(PARITY, ["data.kind=tokens", f"data.path={dirs['web']}", f"data.validation={none}"])
         assert recipe.data.validation is None and not any(eval_due(recipe, s) for s in range(1, 11))
