@@ -1,8 +1,9 @@
 """Issue 43 item 2: a step whose global batch has no counted target (chat data whose
 assistant turns lie outside its windows) is skipped: no optimizer step, the same on every
 rank (training/skip.py). Shown with the real commands: prepare-data --chat (its report of
-the counted tokens at --sequence-length) and a 1-process training run, whose checkpoints
-after each step show the weights and the optimizer's state untouched by a skipped step."""
+the counted tokens at --sequence-length) and a training run at dp 2 (the ranks agree: every
+one reads the global count from the masks of the whole batch), whose checkpoints after each
+step show the weights and the optimizer's state untouched by a skipped step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import re
 
 import numpy as np
 import torch
-from helpers import PARITY, WORDS, chat_tokenizer_dir, cli_process, scheduled_lrs, write_jsonl
+from helpers import PARITY, WORDS, chat_tokenizer_dir, cli_process, scheduled_lrs, torchrun, write_jsonl
 from safetensors.torch import load_file
 
 from dtensor3d.config.load import load_recipe
@@ -74,8 +75,9 @@ def test_a_step_without_counted_tokens_is_skipped_and_changes_no_weight(tmp_path
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     extra = [f"data.path={out}", "logging.every=4", f"checkpoint.dir={ckpt}", "checkpoint.interval=1",
              f"checkpoint.keep={STEPS}"]  # fmt: skip
-    proc = cli_process("train", PARITY, *TRAIN, *extra, f"logging.run_dir={run}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(
+        2, ["-m", "dtensor3d", "train", PARITY, *TRAIN, *extra, "parallelism.dp=2", f"logging.run_dir={run}"]
+    )
     records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
     recipe = load_recipe(PARITY, [*TRAIN, f"data.path={out}"])
