@@ -12,8 +12,8 @@ A hook implements any of (every method of `StepHook` is a no-op by default):
 
 The hooks: the layout probe (logging.layout), profiling (logging.profile_steps), evaluation
 (training.eval_every), the metrics log, the skipped steps' warning (training/skip.py) and
-checkpointing (checkpoint.dir). Preemption and
-non-finite steps are faults (faults.Guard), which own no hook.
+checkpointing (checkpoint.dir). Preemption and non-finite steps are faults (faults.Guard),
+which own no hook.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def hooks(state, compute_context: Callable) -> list[StepHook]:
     """This run's hooks, in the order the loop calls them: the layout first (right after the
     step), evaluation before the log (the record carries val_loss), checkpointing last."""
     found: list[StepHook] = [LayoutProbe(), Profiling(state), Evaluation(compute_context), MetricsLogging(state)]
-    found.append(SkipWarning())
+    found.append(SkipWarning())  # after the log: its line comes after the last step's
     if state.recipe.checkpoint.dir:
         found.append(Checkpointing(state))
     return found
