@@ -8,11 +8,11 @@ on. Its weights become integers c_k in their exact proportion where a block of a
 1,000,000 samples holds it (0.7 / 0.2 / 0.1 -> 7 / 2 / 1, 0.0001 / 0.9999 -> 1 / 9999), else
 in the smallest block found that honours every weight to 0.1% (config/mixture_weights.py:
 every positive weight gets at least one sample of each block); a block is B = sum(c_k)
-consecutive samples, and in every block source k takes exactly c_k of them. Sample j of the stage (j counted from its
-first) sits at offset o = j mod B of block b = j // B; its slot is perm_{g,b}(o), a keyed
-bijection of 0..B-1 (tokens.FeistelPermutation keyed by the seed, the stage and b); slot s in
-[C_k, C_k + c_k) (C_k = c_0 + ... + c_{k-1}) picks source k and is that source's draw
-b * c_k + (s - C_k) of the stage: every draw of a block used exactly once.
+consecutive samples, and in every block source k takes exactly c_k of them. Sample j of the
+stage (j counted from its first) sits at offset o = j mod B of block b = j // B; its slot is
+perm_{g,b}(o), a keyed bijection of 0..B-1 (tokens.FeistelPermutation keyed by the seed, the
+stage and b); slot s in [C_k, C_k + c_k) (C_k = c_0 + ... + c_{k-1}) picks source k and is
+that source's draw b * c_k + (s - C_k) of the stage: every draw of a block used exactly once.
 
 Within a source, draw d (counted over the whole run: a stage continues the draws of the
 stages before it, from the first whole block after them) is sample d of that directory's
