@@ -2,7 +2,9 @@
 group starts, each a DataError naming the key or file, the value and what is valid.
 
 A prepared directory: meta.json readable, every shard, loss mask and offsets file there with the size
-meta.json records (and, with `hashes`, the sha256 it records: validate / launch.sh), its
+meta.json records (and, with `hashes`, the sha256 it records for them and for tokenizer.json and
+the chat template: validate / launch.sh; a directory an older prepare-data wrote, without some of
+those hashes, is one warning line), the offsets sane (0 first, increasing, the token count last), its
 vocabulary within model.vocab_size, at least one sample of training tokens, and the
 validation windows a run with eval_every > 0 reads. One token file: .npy of an integer
 dtype and one dimension, or .bin of uint16; at least one sample; every id in
@@ -14,6 +16,7 @@ data.document_masking: only prepared directories (their document offsets).
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
@@ -78,13 +81,22 @@ def check_token_file(path: str, sequence_length: int, vocab: int) -> None:
     _check_ids(path, tokens, vocab)
 
 
-def _check_files(path: str, meta: dict, split: str, hashes: bool) -> None:
+def _expected_files(meta: dict, split: str) -> list[tuple[str, int, str | None]]:
+    """(name, bytes, sha256 or None) of each file meta.json lists for a split."""
     entry, itemsize = meta["splits"][split], np.dtype(meta["dtype"]).itemsize
     expected = [(s["file"], s["tokens"] * itemsize, s.get("sha256")) for s in entry["shards"]]
     if "loss_mask" in meta:  # prepare-data --chat: one uint8 per token beside each shard
         expected += [(mask_name(s["file"]), s["tokens"], s.get("mask_sha256")) for s in entry["shards"]]
-    expected.append((entry.get("docs", docs_name(split)), (entry.get("documents", 0) + 1) * 8, None))
-    for name, size, digest in expected:
+    docs = entry.get("docs", docs_name(split))
+    return [*expected, (docs, (entry.get("documents", 0) + 1) * 8, entry.get("docs_sha256"))]
+
+
+def _check_files(path: str, meta: dict, split: str, hashes: bool) -> list[str]:
+    """Each file there at its recorded size, the offsets sane, and (with `hashes`) each sha256
+    as recorded. Returns the names whose sha256 meta.json does not record (a directory an
+    older prepare-data wrote)."""
+    expected = _expected_files(meta, split)
+    for name, size, _ in expected:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise DataError(f"data.path {path!r}: {name} is missing ({META} lists it); prepare the directory again")
@@ -93,8 +105,50 @@ def _check_files(path: str, meta: dict, split: str, hashes: bool) -> None:
                 f"{file}: {os.path.getsize(file)} bytes, but {META} records {size}; the file is truncated or "
                 "replaced, prepare the directory again"
             )
-        if hashes and digest and sha256_file(file) != digest:
+    _check_offsets(os.path.join(path, expected[-1][0]), meta["splits"][split])
+    for name, _, digest in expected if hashes else []:
+        if digest and sha256_file(os.path.join(path, name)) != digest:
+            file = os.path.join(path, name)
             raise DataError(f"{file}: sha256 differs from {META}'s; the file is corrupt, prepare the directory again")
+    return [name for name, _, digest in expected if not digest]
+
+
+def _check_offsets(file: str, entry: dict) -> None:
+    """Document offsets: 0 first, strictly increasing (every document ends with its EOS), the
+    last equal to the split's token count. Read as a memory map, in one vectorised pass."""
+    offsets = np.memmap(file, dtype="<i8", mode="r") if os.path.getsize(file) else np.zeros(0, "<i8")
+    bad = None
+    if len(offsets) == 0 or offsets[0] != 0:
+        bad = "the first is not 0"
+    elif int(offsets[-1]) != entry["tokens"]:
+        bad = f"the last is {int(offsets[-1])}, not the split's {entry['tokens']} tokens"
+    elif len(offsets) > 1 and not bool(np.all(np.diff(offsets) > 0)):
+        at = int(np.argmax(np.diff(offsets) <= 0))
+        bad = f"offset {at + 1} ({int(offsets[at + 1])}) is not above offset {at} ({int(offsets[at])})"
+    if bad:
+        raise DataError(f"{file}: corrupt document offsets ({bad}); prepare the directory again")
+
+
+def _check_named_files(path: str, meta: dict) -> list[str]:
+    """tokenizer.json and the chat template against meta.json's "files" sha256."""
+    for name, digest in meta.get("files", {}).items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise DataError(f"data.path {path!r}: {name} is missing ({META} lists it); prepare the directory again")
+        if sha256_file(file) != digest:
+            raise DataError(f"{file}: sha256 differs from {META}'s; the file is corrupt, prepare the directory again")
+    return [] if "files" in meta else [TOKENIZER]
+
+
+def _warn_unhashed(path: str, names: list[str]) -> None:
+    """An older prepared directory: one warning line, not a refusal."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    print(
+        f"warning: data.path {path!r}: {META} records no sha256 for {shown} (written by an older prepare-data); "
+        "they are not checked: prepare the directory again to have every file checked",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def check_prepared_dir(path: str, recipe, hashes: bool) -> dict:
@@ -106,8 +160,11 @@ def check_prepared_dir(path: str, recipe, hashes: bool) -> dict:
             f"data.path {path!r}: its tokenizer has {meta['vocab_size']} tokens, more than model.vocab_size={vocab}; "
             f"set model.vocab_size to at least {meta['vocab_size']} (rounded up to a multiple of tp)"
         )
-    for split in ("train", "val"):
-        _check_files(path, meta, split, hashes)
+    unhashed = [name for split in ("train", "val") for name in _check_files(path, meta, split, hashes)]
+    if hashes:
+        unhashed += _check_named_files(path, meta)
+        if unhashed:
+            _warn_unhashed(path, unhashed)
     tokens = meta["splits"]["train"]["tokens"]
     if window_count(tokens, length) < 1:
         raise DataError(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..errors import DataError
 from . import inputs, tokenizer
 from .encode import NAMED, ChatRows, Chunk, Encoder, in_validation, init_worker, run_task, task_texts
-from .tokendir import META, SPLITS, TOKENIZER, ShardWriter, token_dtype
+from .tokendir import META, SPLITS, TOKENIZER, ShardWriter, sha256_file, token_dtype
 
 
 @dataclass(frozen=True)
@@ -290,6 +290,7 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
         meta.update(written, encoding=o.encoding, encoding_errors=o.encoding_errors)
         if chat is not None:
             meta["loss_mask"] = write_template(tmp, chat)
+        meta["files"] = _file_hashes(tmp, chat is not None)
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
@@ -297,6 +298,16 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def _file_hashes(tmp: str, chat: bool) -> dict:
+    """The sha256 of each file beside the token arrays (validate checks them)."""
+    names = [TOKENIZER]
+    if chat:
+        from .chat import TEMPLATE_FILE
+
+        names.append(TEMPLATE_FILE)
+    return {name: sha256_file(os.path.join(tmp, name)) for name in names}
 
 
 def write_template(tmp: str, chat: ChatRows) -> dict:

@@ -1,6 +1,8 @@
 """The on-disk form of a prepared directory, written by prepare-data and read by tokens.py.
 
-    DIR/meta.json              what is below, the tokenizer, the counts, each shard's size and sha256
+    DIR/meta.json              what is below, the tokenizer, the counts, and the size and sha256 of
+                               every file beside it (shards, masks, offsets: "docs_sha256";
+                               tokenizer.json and the chat template: "files")
     DIR/tokenizer.json         the Hugging Face tokenizer the ids come from
     DIR/train_00000.bin ...    flat token ids, little-endian uint16 (vocabulary <= 65536) or uint32
     DIR/train_docs.bin         int64 document offsets into the split's stream: n_documents + 1
@@ -57,8 +59,8 @@ class ShardWriter:
         self.file, self.hash, self.in_shard = None, None, 0
         self.masked, self.mask_file, self.mask_hash = masked, None, None
         self.tokens = self.documents = 0
-        self.docs = open(os.path.join(folder, docs_name(split)), "wb")
-        self.docs.write(np.zeros(1, "<i8").tobytes())
+        self.docs, self.docs_hash = open(os.path.join(folder, docs_name(split)), "wb"), hashlib.sha256()
+        self._write_offsets(np.zeros(1, "<i8"))
 
     def _finish_shard(self) -> None:
         if self.file is not None:
@@ -97,9 +99,14 @@ class ShardWriter:
         if self.masked and (mask is None or len(mask) != len(tokens)):
             raise ValueError(f"a loss mask of {None if mask is None else len(mask)} entries for {len(tokens)} tokens")
         self._write_tokens(tokens, mask)
-        self.docs.write((self.tokens + np.cumsum(lengths)).astype("<i8").tobytes())
+        self._write_offsets((self.tokens + np.cumsum(lengths)).astype("<i8"))
         self.tokens += len(tokens)
         self.documents += len(lengths)
+
+    def _write_offsets(self, offsets: np.ndarray) -> None:
+        raw = offsets.tobytes()
+        self.docs.write(raw)
+        self.docs_hash.update(raw)
 
     def close(self) -> dict:
         self._finish_shard()
@@ -108,6 +115,7 @@ class ShardWriter:
             "documents": self.documents,
             "tokens": self.tokens,
             "docs": docs_name(self.split),
+            "docs_sha256": self.docs_hash.hexdigest(),
             "shards": self.shards,
         }
 

@@ -139,6 +139,12 @@ def _flip_last_byte(path):
     path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, other bytes
 
 
+def _flip_byte(path, at: int):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
 def _write(name: str, text: str):
     return lambda d: (d / name).write_text(text)
 
@@ -194,6 +200,30 @@ DIR_CASES = [
         [VOCAB, NO_EVAL],
         "sha256 differs",
         "{d}/train_00000.bin",
+        CHECKS,
+    ),
+    (
+        "offsets_not_increasing",
+        lambda d: _flip_last_byte(d / "train_docs.bin"),  # the last offset's high byte
+        [VOCAB, NO_EVAL],
+        "corrupt document offsets (the last is",
+        "{d}/train_docs.bin",
+        LAUNCH,
+    ),
+    (
+        "offsets_sha256",
+        lambda d: _flip_byte(d / "train_docs.bin", 8 * 5),  # offset 5's low bit: still increasing
+        [VOCAB, NO_EVAL],
+        "sha256 differs",
+        "{d}/train_docs.bin",
+        CHECKS,
+    ),
+    (
+        "tokenizer_sha256",
+        lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text() + " "),
+        [VOCAB, NO_EVAL],
+        "sha256 differs",
+        "{d}/tokenizer.json",
         CHECKS,
     ),
     ("vocab_too_large", None, [NO_EVAL], "257 tokens, more than model.vocab_size=256", "model.vocab_size", LAUNCH),
@@ -255,3 +285,28 @@ def test_meta_records_what_the_door_reads(prepared_once):
     meta = json.loads((prepared_once / "meta.json").read_text())
     assert meta["max_token_id"] < meta["vocab_size"] == 257
     assert meta["splits"]["train"]["tokens"] == 7030 and meta["splits"]["val"]["tokens"] == 0
+
+
+def test_every_prepared_file_is_hashed_and_an_older_directory_is_one_warning(prepared_once, tmp_path, capsys):
+    """Issue 43 item 3: meta.json records the sha256 of every file prepare-data writes (shards,
+    offsets, tokenizer.json); a directory an older prepare-data wrote, without the offsets' and
+    the tokenizer's hashes, passes validate with one warning line naming them."""
+    meta = json.loads((prepared_once / "meta.json").read_text())
+    recorded = {meta["splits"][s]["docs"]: meta["splits"][s]["docs_sha256"] for s in ("train", "val")}
+    recorded.update(meta["files"])
+    recorded.update({sh["file"]: sh["sha256"] for s in ("train", "val") for sh in meta["splits"][s]["shards"]})
+    from dtensor3d.datasets.tokendir import sha256_file
+
+    assert sorted(recorded) == sorted(set(os.listdir(prepared_once)) - {"meta.json"})
+    assert all(sha256_file(prepared_once / name) == digest for name, digest in recorded.items())
+    old = tmp_path / "old"
+    shutil.copytree(prepared_once, old)
+    for s in ("train", "val"):
+        del meta["splits"][s]["docs_sha256"]
+    del meta["files"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    args = [PARITY, "data.kind=tokens", f"data.path={old}", VOCAB, NO_EVAL, f"logging.run_dir={tmp_path / 'run'}"]
+    assert main(["validate", *args]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "train_docs.bin" in warnings[0] and "tokenizer.json" in warnings[0], warnings
