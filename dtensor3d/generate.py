@@ -125,12 +125,6 @@ def check_fit(args, cfg, tok, prompt_len: int) -> None:
             f"generate: {prompt_len} prompt tokens + --max-new-tokens {args.max_new_tokens} exceed the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
-    if cfg.sliding_window is not None and prompt_len + args.max_new_tokens > cfg.sliding_window:
-        raise RecipeError(
-            f"generate: {prompt_len} prompt tokens + --max-new-tokens {args.max_new_tokens} exceed the model's "
-            f"sliding_window={cfg.sliding_window} (sliding-window attention is not supported; full attention "
-            f"is exact only within the window)"
-        )
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:

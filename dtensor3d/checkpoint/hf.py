@@ -59,11 +59,19 @@ _COMMON = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 
 
 def _family_fields(cfg, name: str) -> dict:
     """What the family's own config class holds beyond Llama's common keys."""
-    family = FAMILIES[name]
+    family, layers = FAMILIES[name], cfg.num_hidden_layers
     out = {key: getattr(cfg, key) for key in family.biases}
     if family.window_switch:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers)
+        types = [("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)]
+        first = types.index("sliding_attention") if cfg.sliding_window is not None else layers
+        out.update(use_sliding_window=first < layers, sliding_window=cfg.sliding_window, max_window_layers=first)
+        out["layer_types"] = types
     elif name in ("mistral", "mixtral"):
+        if len({cfg.layer_window(i) for i in range(layers)}) > 1:
+            raise CheckpointError(
+                f"model.layer_types={list(cfg.layer_types)}: {family.architecture} windows every layer alike; "
+                "export a model whose layer_types is null"
+            )
         out["sliding_window"] = cfg.sliding_window
     if name == "mixtral":
         out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})

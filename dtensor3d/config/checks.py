@@ -44,7 +44,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
 
 def _validate_family(recipe: Recipe) -> None:
     """What a family turns on, its RoPE scaling and its sliding window (config/families.py)."""
-    m, seq = recipe.model, recipe.training.sequence_length
+    m = recipe.model
     if FAMILIES[m.family].experts != bool(m.num_local_experts) and m.family not in ("llama", "deepseek_v3"):
         raise RecipeError(
             f"model.family={m.family!r} with num_local_experts={m.num_local_experts}: experts come with "
@@ -61,10 +61,13 @@ def _validate_family(recipe: Recipe) -> None:
     problem = rope_problem(m.rope_scaling)
     if problem:
         raise RecipeError(f"model.rope_scaling: {problem}")
-    if m.sliding_window is not None and m.sliding_window < seq:
+    if m.sliding_window is not None and m.sliding_window < 1:
+        raise RecipeError(f"model.sliding_window={m.sliding_window} must be >= 1 (null: full attention)")
+    types = ("sliding_attention", "full_attention")
+    if m.layer_types is not None and (len(m.layer_types) != m.num_hidden_layers or set(m.layer_types) - set(types)):
         raise RecipeError(
-            f"model.sliding_window={m.sliding_window} is smaller than training.sequence_length={seq}: "
-            f"sliding-window attention is not supported; use null or a window >= the sequence length"
+            f"model.layer_types={list(m.layer_types)}: give one of {', '.join(types)} for each of the "
+            f"num_hidden_layers={m.num_hidden_layers} layers (or null: every layer sliding_attention)"
         )
 
 

@@ -109,6 +109,22 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
     return theta, params
 
 
+def _window_values(hf: dict, family, layers: int) -> dict:
+    """sliding_window and layer_types as the family's transformers class reads them: Qwen's
+    only with use_sliding_window, on the layers from max_window_layers on (or its layer_types)."""
+    windowed = hf.get("use_sliding_window", False) if family.window_switch else True
+    window = hf.get("sliding_window") if windowed else None
+    if window is None:
+        return {"sliding_window": None, "layer_types": None}
+    types = hf.get("layer_types") if family.window_switch else None
+    if family.window_switch and types is None:
+        start = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if types is not None and all(t == "sliding_attention" for t in types):
+        types = None
+    return {"sliding_window": window, "layer_types": None if types is None else list(types)}
+
+
 def hf_model_values(hf: dict, where: str) -> dict:
     """A Hugging Face config.json of a supported family as recipe `model` fields; what cannot run is refused."""
     kind = hf.get("model_type", "llama")
@@ -124,11 +140,10 @@ def hf_model_values(hf: dict, where: str) -> dict:
         values.update({key: hf.get(key, default) for key, default in MLA_DEFAULTS.items()})
         values["num_key_value_heads"], head_dim = values["num_attention_heads"], values["qk_rope_head_dim"]
     values["rope_theta"], values["rope_scaling"] = _rope_from_hf(hf, where)
-    windowed = hf.get("use_sliding_window", False) if family.window_switch else True
     values.update(
         family=BY_MODEL_TYPE[kind],
         head_dim=head_dim,
-        sliding_window=hf.get("sliding_window") if windowed else None,
+        **_window_values(hf, family, values["num_hidden_layers"]),
         **{key: bool(hf.get(key, False)) for key in family.biases},
     )
     return values

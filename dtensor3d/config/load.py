@@ -33,6 +33,7 @@ def _kind(tp: Any) -> str:
     if tp in (int, float, bool):
         return tp.__name__
     kinds = {tuple[float, float]: "tuple[float,float]", tuple[int, ...]: "tuple[int,...]", dict: "dict"}
+    kinds[tuple[str, ...]] = "tuple[str,...]"
     return kinds.get(tp) or {tuple[Source, ...]: "sources", tuple[Stage, ...]: "stages"}[tp]
 
 
@@ -79,6 +80,8 @@ def _coerce(where: str, value: Any, tp: Any) -> Any:
         return tuple(_coerce(where, v, float) for v in value)
     if ann == "tuple[int,...]" and isinstance(value, (list, tuple)):
         return tuple(_coerce(where, v, int) for v in value)
+    if ann == "tuple[str,...]" and isinstance(value, (list, tuple)):
+        return tuple(_coerce(where, v, str) for v in value)
     if ann in ("sources", "stages"):  # config/data_sources.py: each entry's keys named in its own error line
         return parse_sources(where, value) if ann == "sources" else parse_stages(where, value)
     raise _wrong_type(where, value, ann, optional)
@@ -90,6 +93,7 @@ def _wrong_type(where: str, value: Any, ann: str, optional: bool) -> RecipeError
     expected = {
         "tuple[float,float]": "a list of two numbers",
         "tuple[int,...]": "a list of integers",
+        "tuple[str,...]": "a list of strings",
         "dict": "a mapping",
     }
     want = expected.get(ann, ann) + (" or null" if optional else "")

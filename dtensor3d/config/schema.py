@@ -61,7 +61,12 @@ class ModelConfig:
     rope_scaling: dict | None = knob(
         None, "Hugging Face's RoPE scaling: rope_type linear, llama3 or yarn and its keys; null: none"
     )
-    sliding_window: int | None = knob(None, "attention window; null: full (a window must cover the sequence)")
+    sliding_window: int | None = knob(
+        None, "attention window: a query sees its last sliding_window positions (its own included); null: full"
+    )
+    layer_types: tuple[str, ...] | None = knob(
+        None, "per layer: sliding_attention or full_attention (Hugging Face's layer_types); null: all sliding"
+    )
     hidden_act: Literal["silu"] = knob("silu", "the feed-forward's activation (SwiGLU)")
     # Multi-head latent attention (family deepseek_v3: models/mla.py), by DeepseekV3Config's names.
     q_lora_rank: int | None = knob(None, "MLA: the query's low-rank width; null: one full query projection")
@@ -87,6 +92,12 @@ class ModelConfig:
             and index not in (self.mlp_only_layers or ())
             and (index + 1) % self.decoder_sparse_step == 0
         )
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window: sliding_window unless layer_types makes it full."""
+        if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def expert_intermediate_size(self) -> int:

@@ -41,27 +41,42 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def visible(q_index: torch.Tensor, k_index: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[sq, sk] True where a query may see a key: not later and, with a sliding `window`, one of
+    the query's last `window` positions (i - window < j <= i, as transformers masks it)."""
+    seen = k_index[None, :] <= q_index[:, None]
+    return seen if window is None else seen & (k_index[None, :] > q_index[:, None] - window)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """q: [b, h, s, d]; k, v: [b, kv_h, s, d] -> [b, h, s, d]. Grouped-query attention by
-    the kernel itself (no repeated K/V kept for backward)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    the kernel itself (no repeated K/V kept for backward); a `window` shorter than the
+    sequence masks the keys before it (SDPA with a boolean mask)."""
+    gqa = q.shape[1] != k.shape[1]
+    if window is None or window >= q.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    index = torch.arange(q.shape[2], device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(index, index, window), enable_gqa=gqa)
 
 
-def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor):
+def document_mask(
+    q_docs: torch.Tensor, k_docs: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor, window: int | None = None
+):
     """[b, 1, sq, sk] True where a query may see a key: the same document (document ids
-    [b, sq], [b, sk]) and not later in the window (window indices [sq], [sk])."""
-    causal = k_index[None, :] <= q_index[:, None]  # [sq, sk]
-    return (causal & (q_docs[:, :, None] == k_docs[:, None, :]))[:, None]
+    [b, sq], [b, sk]) and `visible` by position (window indices [sq], [sk])."""
+    return (visible(q_index, k_index, window) & (q_docs[:, :, None] == k_docs[:, None, :]))[:, None]
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
     """Causal attention within documents: q: [b, h, s, d]; k, v: [b, kv_h, s, d];
     document_ids: [b, s] (packed documents; data.document_masking). SDPA with a boolean mask
     on every device: on CPU torch runs its flash kernel with the mask, on CUDA the
     memory-efficient one. K/V heads are repeated for grouped-query attention first: SDPA's
     enable_gqa with a mask would fall back to the math kernel on CUDA ([b, h, s, s] kept)."""
     index = torch.arange(q.shape[2], device=q.device)
-    mask = document_mask(document_ids, document_ids, index, index)
+    mask = document_mask(document_ids, document_ids, index, index, window)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -74,29 +89,37 @@ class KVCache:
 
     Pass one KVCache to `LlamaForCausalLM.forward(ids, cache)`: each Attention appends its
     new keys/values (`update`), and the model then advances `length` by the new tokens, so
-    the next call only runs the tokens after them."""
+    the next call only runs the tokens after them. A layer with a sliding window keeps only
+    its last `window` - 1 keys between calls (all a later query can see): a rolling cache."""
 
     def __init__(self):
         self.length = 0  # tokens cached so far (the position of the next token)
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [b, kv_h, new, d] to `layer`'s; return all of them [b, kv_h, length + new, d]."""
-        if id(layer) in self.layers:
-            old_k, old_v = self.layers[id(layer)]
-            k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
-        self.layers[id(layer)] = (k, v)
-        return k, v
+    def update(
+        self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Append k, v [b, kv_h, new, d] to `layer`'s; return the keys and values the new
+        queries may need [b, kv_h, kept + new, d] and the position of the first of them."""
+        old = self.layers.get(id(layer))
+        if old is not None:
+            k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
+        start = self.length - (0 if old is None else old[0].shape[2])
+        keep = k.shape[2] if window is None else min(k.shape[2], window - 1)
+        self.layers[id(layer)] = (k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :])
+        return k, v, start
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [b, h, new, d] for the last `new` positions of k, v: [b, kv_h, total, d]; query i
-    sees keys 0..total - new + i."""
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0, window: int | None = None
+) -> torch.Tensor:
+    """q: [b, h, new, d] for the last `new` positions of k, v: [b, kv_h, total, d], whose
+    first is at position `start`; query i sees the keys `visible` to it."""
     new, total = q.shape[2], k.shape[2]
-    if new == total:
-        return causal_attention(q, k, v)
-    query_pos = torch.arange(total - new, total, device=q.device)
-    mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]  # [new, total]
+    if new == total and start == 0:
+        return causal_attention(q, k, v, window)
+    query_pos = torch.arange(start + total - new, start + total, device=q.device)
+    mask = visible(query_pos, torch.arange(start, start + total, device=q.device), window)  # [new, total]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -111,11 +134,19 @@ class SequenceLayout:
         return torch.arange(n_tokens, device=device)
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Exact causal attention of this rank's queries over the whole sequence's keys;
-        with `document_ids` [b, s_local] (this rank's tokens), within their documents."""
-        return causal_attention(q, k, v) if document_ids is None else document_attention(q, k, v, document_ids)
+        with `document_ids` [b, s_local] (this rank's tokens), within their documents; with
+        a sliding `window`, over each query's last `window` positions only."""
+        if document_ids is None:
+            return causal_attention(q, k, v, window)
+        return document_attention(q, k, v, document_ids, window)
 
     def sum_over_sequence(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(t summed over the ranks that hold parts of the same sequences, their count).

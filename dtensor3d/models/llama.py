@@ -27,10 +27,11 @@ class Attention(nn.Module):
     """Grouped-query attention; the config's switches add q/k/v (and o) biases and per-head
     q/k RMSNorm (Qwen3), and choose the RoPE scaling (models/rope.py)."""
 
-    def __init__(self, cfg, hooks: ModelHooks):
+    def __init__(self, cfg, hooks: ModelHooks, index: int = 0):
         super().__init__()
         hd, qkv_bias = cfg.head_dim, cfg.qkv_bias
         self.head_dim, self.sequence = hd, hooks.sequence
+        self.window = cfg.layer_window(index)  # sliding-window attention in this layer, or None
         self.freqs, self.rope_scale = inv_freq(cfg)  # a plain tensor: no buffer to shard or save
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)
@@ -65,18 +66,18 @@ class Attention(nn.Module):
         cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
         q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         if cache is None:
-            out = self.sequence.attention(q, k, v, document_ids)  # [b, h, s, d]
+            out = self.sequence.attention(q, k, v, document_ids, window=self.window)  # [b, h, s, d]
         else:
-            out = cached_attention(q, *cache.update(self, k, v))
+            out = cached_attention(q, *cache.update(self, k, v, self.window), window=self.window)
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, hooks: ModelHooks, moe: bool = False):
+    def __init__(self, cfg, hooks: ModelHooks, moe: bool = False, index: int = 0):
         super().__init__()
         self.recompute = hooks.recompute  # none | full | selective
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MultiHeadLatentAttention(cfg, hooks) if cfg.mla else Attention(cfg, hooks)
+        self.self_attn = MultiHeadLatentAttention(cfg, hooks) if cfg.mla else Attention(cfg, hooks, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Mixtral's name for a mixture-of-experts feed-forward, Llama's for a dense one.
         if moe:
@@ -118,7 +119,7 @@ class LlamaModel(nn.Module):
         # A ModuleDict keyed by the global layer index: a pipeline stage drops layers and the
         # rest keep their names (model.layers.7...), like nn.ModuleList's.
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, hooks, moe=cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)}
+            {str(i): DecoderLayer(cfg, hooks, moe=cfg.is_moe_layer(i), index=i) for i in range(cfg.num_hidden_layers)}
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -35,7 +35,7 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..models.layers import SequenceLayout, document_mask
+from ..models.layers import SequenceLayout, document_mask, visible
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -99,23 +99,28 @@ def _causal_blocks(chunk: int, size: int):
 
 
 def _blocks(chunk: int, size: int, rows: slice, docs: tuple | None):
-    """(key slice, is_causal, mask) of query chunk `chunk` (its rows of q: `rows`). With
-    documents (q_docs [b, s_local], k_docs [b, S] in global order) the mask is an additive
-    [b, 1, size, keys] one (0 where the same document and causal, -inf elsewhere), the keys
-    before the first one any query sees are cut off, and a block no query of which sees any
-    key is left out: short documents skip most of the earlier chunks' keys."""
+    """(key slice, is_causal, mask) of query chunk `chunk` (its rows of q: `rows`). `docs`:
+    None, or (q_docs [b, s_local] | None, k_docs [b, S] in global order | None, dtype,
+    window | None, device). With documents or a sliding window the mask is an additive
+    [b, 1, size, keys] one (0 where visible, -inf elsewhere), the keys before the first one
+    any query sees are cut off, and a block no query of which sees any key is left out:
+    short documents and windows skip most of the earlier chunks' keys."""
     for keys, causal in _causal_blocks(chunk, size):
         if docs is None:
             yield keys, causal, None
             continue
-        q_index = torch.arange(chunk * size, (chunk + 1) * size, device=docs[0].device)
-        k_index = torch.arange(keys.start, keys.stop, device=docs[0].device)
-        allowed = document_mask(docs[0][:, rows], docs[1][:, keys], q_index, k_index)
+        q_docs, k_docs, dtype, window, device = docs
+        q_index = torch.arange(chunk * size, (chunk + 1) * size, device=device)
+        k_index = torch.arange(keys.start, keys.stop, device=q_index.device)
+        if q_docs is None:
+            allowed = visible(q_index, k_index, window)[None, None]
+        else:
+            allowed = document_mask(q_docs[:, rows], k_docs[:, keys], q_index, k_index, window)
         seen = allowed.flatten(0, 2).any(0).nonzero()  # key columns some query sees
         if len(seen):
             first = int(seen[0])
             allowed = allowed[..., first:]
-            mask = torch.zeros(allowed.shape, dtype=docs[2], device=allowed.device)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
             yield slice(keys.start + first, keys.stop), False, mask.masked_fill(~allowed, float("-inf"))
 
 
@@ -135,11 +140,12 @@ class _ChunkedCausalAttention(torch.autograd.Function):
     docs: None, or (q_docs [b, n*size], k_docs [b, S] in global order) for packed documents."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunks: tuple[int, ...], docs: tuple | None = None):
+    def forward(ctx, q, k, v, chunks: tuple[int, ...], docs: tuple | None = None, window: int | None = None):
         flash = getattr(torch.ops.aten, _FLASH_CPU[0])
         b, h, s, d = q.shape
         size = s // len(chunks)
-        docs = None if docs is None else (*docs, q.dtype)
+        if docs is not None or window is not None:
+            docs = (*(docs or (None, None)), q.dtype, window, q.device)
         out = q.new_empty(b, s, h, d).transpose(1, 2)  # [b, s, h, d] in memory, like SDPA's
         lse = None
         for j, chunk in enumerate(chunks):
@@ -186,7 +192,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _global_order(x: torch.Tensor, cp: int, dim: int = 2) -> torch.Tensor:
@@ -195,7 +201,7 @@ def _global_order(x: torch.Tensor, cp: int, dim: int = 2) -> torch.Tensor:
     return torch.cat([pieces[2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1] for c in range(2 * cp)], dim=dim)
 
 
-def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None) -> torch.Tensor:
+def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None, window=None):
     """The "flash" kernel on keys already gathered (cp-rank order); needs the zigzag layout."""
     seq = k.shape[2]
     expected_k = torch.cat([zigzag_positions(seq, cp, r) for r in range(cp)])
@@ -208,16 +214,16 @@ def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k
     docs = None if q_docs is None else (q_docs, _global_order(k_docs, cp, dim=1))
     width = v.shape[-1]  # the CPU flash kernel needs equal widths: pad multi-head latent attention's values
     v = F.pad(v, (0, q.shape[-1] - width)) if width < q.shape[-1] else v
-    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank), docs)[..., :width]
+    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank), docs, window)[..., :width]
 
 
-def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None) -> torch.Tensor:
+def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None, window=None):
     """The "masked" kernel on keys already gathered: SDPA with a mask by global position
-    (and, for packed documents, by document id)."""
+    (within the sliding `window` if any; for packed documents, by document id too)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    mask = k_pos[None, :] <= q_pos[:, None] if q_docs is None else document_mask(q_docs, k_docs, q_pos, k_pos)
+    mask = visible(q_pos, k_pos, window) if q_docs is None else document_mask(q_docs, k_docs, q_pos, k_pos, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -234,8 +240,10 @@ def cp_attention(
     k_pos: torch.Tensor,
     kernel: str | None = None,
     document_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Exact causal attention for this rank's queries over the whole sequence's keys.
+    """Exact causal attention for this rank's queries over the whole sequence's keys
+    (each query over its last `window` positions only, with a sliding window).
 
     q: [b, h, s_local, d]; k, v: [b, kv_h, s_local, d]; q_pos: [s_local] global positions of
     this rank's tokens; k_pos: [s] global positions of the gathered keys (cp-rank order).
@@ -252,7 +260,7 @@ def cp_attention(
         dist.all_gather(parts, document_ids.contiguous(), group=group)  # ids: no gradient
         docs = {"q_docs": document_ids, "k_docs": torch.cat(parts, dim=1)}  # k_docs in cp-rank order, like k_pos
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos, cp=cp, rank=rank, **docs)
+    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos, cp=cp, rank=rank, window=window, **docs)
 
 
 class ContextParallelLayout(SequenceLayout):
@@ -271,10 +279,9 @@ class ContextParallelLayout(SequenceLayout):
             raise ValueError(f"context parallelism: {n_tokens} tokens on this rank, the layout has {len(self.q_pos)}")
         return self.q_pos.to(device)
 
-    def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return cp_attention(q, k, v, group=self.group, q_pos=self.q_pos, k_pos=self.k_pos, document_ids=document_ids)
+    def attention(self, q, k, v, document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        where = {"group": self.group, "q_pos": self.q_pos, "k_pos": self.k_pos}
+        return cp_attention(q, k, v, **where, document_ids=document_ids, window=window)
 
     def sum_over_sequence(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return dist_fn.all_reduce(t, group=self.group), self.cp

@@ -123,10 +123,11 @@ CASES = [
         edit={"model.rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
     ),
     Case(
-        "sliding-window-short",
-        ("model.sliding_window=32", "sequence_length=64"),
-        edit={"model.family": "mistral", "model.sliding_window": 32},
+        "layer-types-length",
+        ("model.layer_types", "sliding_attention", "num_hidden_layers=4"),
+        edit={"model.family": "mistral", "model.sliding_window": 32, "model.layer_types": ["full_attention"]},
     ),
+    Case("sliding-window-zero", ("model.sliding_window=0", ">= 1"), edit={"model.sliding_window": 0}),
     Case(
         "mlp-bias-qwen2", ("model.mlp_bias", "'qwen2'", "llama"), edit={"model.family": "qwen2", "model.mlp_bias": True}
     ),

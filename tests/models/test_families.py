@@ -60,6 +60,14 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}, "q_proj.bias"),
     "qwen3": ("Qwen3Config", dict(head_dim=24), "k_norm.weight"),
     "mistral": ("MistralConfig", dict(sliding_window=None), "o_proj.weight"),
+    # Sliding windows shorter than the sequence (64) and than generation (2 x 12 < 40 new
+    # tokens): on every layer (Mistral), and on the layers from max_window_layers on (Qwen2).
+    "mistral_window": ("MistralConfig", dict(sliding_window=12), "o_proj.weight"),
+    "qwen2_window": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=12, max_window_layers=1),
+        "q_proj.bias",
+    ),
     # multi-head latent attention: low-rank q, interleaved RoPE part, YaRN with both mscales
     # (softmax scale too), v_head_dim != qk width; layer 0 dense, layer 1 experts: sigmoid
     # scores + the correction bias, top-3 of 8 in 2 of 4 groups, scaling 2.5, 2 shared experts
@@ -134,7 +142,7 @@ def test_logits_equal_transformers(family):
 
 # The families whose attention differs in what positions do: llama3 and yarn RoPE scalings,
 # Qwen3's per-head q/k norms and head_dim (qwen2 and mistral attend as llama does).
-@pytest.mark.parametrize("family", ["llama3", "llama_yarn", "qwen3", "deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("family", ["llama3", "llama_yarn", "qwen3", "deepseek_v3", "qwen2_window"], indirect=True)
 def test_packed_documents_equal_each_document_alone(family):
     # Two windows of a packed stream (documents of 1 to 45 tokens, the first window starting
     # inside one): the positions and document ids data.document_masking gives them (the
@@ -201,20 +209,31 @@ def test_greedy_generate_equals_transformers(family):
         assert got == theirs[0, len(prompt) :].tolist()
 
 
-def test_mistral_window_refused_where_it_would_matter(tmp_path, capsys):
-    """A Mistral window imports (full attention is exact inside it); generation past it is
-    one error line (a recipe's window shorter than its sequence: test_recipe_errors)."""
-    from dtensor3d.datasets.tokenizer import byte_tokenizer
+def test_window_masks_what_transformers_masks():
+    """The windowed families' logits differ from full attention's (the window is in force),
+    and a window of w + 1 differs from w (transformers' off-by-one: i - w < j <= i)."""
+    config = transformers.MistralConfig(**BASE, sliding_window=12)
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        for window, equal in ((12, True), (13, False), (11, False), (None, False)):
+            ours = load_model_from(hf, window)
+            assert (relative(ours(ids), ref) <= 1e-5) == equal, window
 
-    config = transformers.MistralConfig(**{**BASE, "vocab_size": 264}, sliding_window=32)
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "hf")
-    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0
-    byte_tokenizer().save(str(tmp_path / "byte.json"))
-    capsys.readouterr()
-    argv = ["generate", str(tmp_path / "ck"), "--prompt", "hello", "--max-new-tokens", "40"]
-    assert main([*argv, "--tokenizer", str(tmp_path / "byte.json")]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "sliding_window=32" in lines[0], lines
+
+def load_model_from(hf, window):
+    """Our model with hf's weights and config, its window replaced."""
+    import dataclasses
+
+    from dtensor3d.checkpoint.hf import config_from_hf
+    from dtensor3d.models.llama import LlamaForCausalLM
+
+    cfg = dataclasses.replace(config_from_hf(hf.config.to_dict(), "config"), sliding_window=window)
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(hf.state_dict())
+    return model.eval()
 
 
 def test_rope_read_in_both_spellings():

@@ -1,6 +1,7 @@
 """Context-parallel attention: exact against single-device attention, and balanced."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -47,9 +48,20 @@ def _gathered(t, cp):
     return torch.cat([shard_sequence(t, cp, r, dim=2) for r in range(cp)], dim=2)
 
 
+def _windowed(q, k, v, window):
+    """Attention written out: query i sees keys i - window < j <= i (transformers' sliding window)."""
+    s, rep = q.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    ones = torch.ones(s, s, dtype=torch.bool)
+    allowed = torch.tril(ones) & ~torch.tril(ones, -window)
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_kernels_agree_on_gathered_keys(cp, kv_heads):
+@pytest.mark.parametrize("window", [None, 5, 11])
+def test_kernels_agree_on_gathered_keys(cp, kv_heads, window):
     # Both kernels, in one process, on every rank's queries against the gathered keys (what
     # cp_attention hands them after the all-gather): outputs and input gradients agree with
     # single-device causal attention and with each other. The gathered K/V gradients,
@@ -60,7 +72,10 @@ def test_kernels_agree_on_gathered_keys(cp, kv_heads):
     q = torch.randn(b, s, h, d, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True) for _ in range(2))
     w = torch.randn(b, h, s, d, generator=g)
-    ref = causal_attention(q, k, v)
+    ref = causal_attention(q, k, v, window)
+    if window is not None:  # a window shorter than the chunks (5) and one across them (11)
+        assert (ref - _windowed(q, k, v, window)).abs().max() < 1e-5
+        assert (ref - causal_attention(q, k, v)).abs().max() > 0.1
     (ref * w).sum().backward()
     k_pos = torch.cat([zigzag_positions(s, cp, r) for r in range(cp)])
     got = {}
@@ -69,7 +84,8 @@ def test_kernels_agree_on_gathered_keys(cp, kv_heads):
         outs, dqs = [], []
         for rank in range(cp):
             ql = shard_sequence(q.detach(), cp, rank, dim=2).requires_grad_()
-            out = kernel(ql, kg, vg, q_pos=zigzag_positions(s, cp, rank), k_pos=k_pos, cp=cp, rank=rank)
+            q_pos = zigzag_positions(s, cp, rank)
+            out = kernel(ql, kg, vg, q_pos=q_pos, k_pos=k_pos, cp=cp, rank=rank, window=window)
             (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
             outs.append(out.detach())
             dqs.append(ql.grad)
@@ -81,12 +97,13 @@ def test_kernels_agree_on_gathered_keys(cp, kv_heads):
         assert (x - y).abs().max() < 1e-5
 
 
-def _per_document(q, k, v, lengths):
+def _per_document(q, k, v, lengths, window=None):
     """Plain causal attention over each document alone (row by row): the reference."""
     rows = []
     for b, row in enumerate(lengths):
         edges = torch.tensor([0, *row]).cumsum(0).tolist()
-        parts = [causal_attention(*(t[b : b + 1, :, i:j] for t in (q, k, v))) for i, j in zip(edges, edges[1:])]
+        alone = causal_attention if window is None else partial(_windowed, window=window)
+        parts = [alone(*(t[b : b + 1, :, i:j] for t in (q, k, v))) for i, j in zip(edges, edges[1:])]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows)
 
@@ -98,7 +115,8 @@ PACKED = {"straddling": [[5, 1, 13, 3, 10], [2, 9, 7, 14]], "on_chunk_edges": [[
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("packing", list(PACKED))
-def test_kernels_agree_on_packed_documents(cp, packing):
+@pytest.mark.parametrize("window", [None, 6])
+def test_kernels_agree_on_packed_documents(cp, packing, window):
     # The single-device document attention and both cp kernels (each rank's queries against
     # the gathered keys and ids) give the outputs and gradients of each document run alone.
     g = torch.Generator().manual_seed(cp)
@@ -108,9 +126,9 @@ def test_kernels_agree_on_packed_documents(cp, packing):
     q = torch.randn(b, s, h, d, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(b, kv, s, d, generator=g, requires_grad=True) for _ in range(2))
     w = torch.randn(b, h, s, d, generator=g)
-    ref = _per_document(q, k, v, lengths)
+    ref = _per_document(q, k, v, lengths, window)
     want = [ref.detach(), *torch.autograd.grad((ref * w).sum(), (q, k, v))]
-    single = document_attention(q, k, v, docs)
+    single = document_attention(q, k, v, docs, window)
     got = {"single device": [single.detach(), *torch.autograd.grad((single * w).sum(), (q, k, v))]}
     k_pos = torch.cat([zigzag_positions(s, cp, r) for r in range(cp)])
     k_docs = torch.cat([shard_sequence(docs, cp, r) for r in range(cp)], dim=1)
@@ -120,7 +138,8 @@ def test_kernels_agree_on_packed_documents(cp, packing):
         for rank in range(cp):
             ql = shard_sequence(q.detach(), cp, rank, dim=2).requires_grad_()
             q_pos, q_docs = zigzag_positions(s, cp, rank), shard_sequence(docs, cp, rank)
-            out = kernel(ql, kg, vg, q_pos=q_pos, k_pos=k_pos, cp=cp, rank=rank, q_docs=q_docs, k_docs=k_docs)
+            docs_here = {"q_docs": q_docs, "k_docs": k_docs, "window": window}
+            out = kernel(ql, kg, vg, q_pos=q_pos, k_pos=k_pos, cp=cp, rank=rank, **docs_here)
             (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
             outs.append(out.detach())
             dqs.append(ql.grad)
