@@ -73,6 +73,10 @@ def _family_fields(cfg, name: str) -> dict:
                 "export a model whose layer_types is null"
             )
         out["sliding_window"] = cfg.sliding_window
+    if family.nope:  # SmolLM3: and its special tokens' defaults where the vocabulary holds them
+        out["no_rope_layers"] = [int(cfg.layer_rope(i)) for i in range(layers)]
+        tokens = {"pad_token_id": 128004, "bos_token_id": 128000, "eos_token_id": 128001}
+        out.update({key: (t if t < cfg.vocab_size else None) for key, t in tokens.items()})
     if name == "mixtral":
         out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
         out.update(router_jitter_noise=0.0, output_router_logits=False)

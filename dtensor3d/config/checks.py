@@ -61,6 +61,12 @@ def _validate_family(recipe: Recipe) -> None:
     problem = rope_problem(m.rope_scaling)
     if problem:
         raise RecipeError(f"model.rope_scaling: {problem}")
+    if m.sliding_window is not None and m.mla:
+        raise RecipeError(
+            f"model.sliding_window={m.sliding_window}: family {m.family!r} (latent attention) has no sliding window; "
+            "use null"
+        )
+    _validate_switches(m, recipe.parallelism)
     if m.sliding_window is not None and m.sliding_window < 1:
         raise RecipeError(f"model.sliding_window={m.sliding_window} must be >= 1 (null: full attention)")
     types = ("sliding_attention", "full_attention")
@@ -68,6 +74,23 @@ def _validate_family(recipe: Recipe) -> None:
         raise RecipeError(
             f"model.layer_types={list(m.layer_types)}: give one of {', '.join(types)} for each of the "
             f"num_hidden_layers={m.num_hidden_layers} layers (or null: every layer sliding_attention)"
+        )
+
+
+def _validate_switches(m: ModelConfig, p: ParallelismConfig) -> None:
+    """NoPE layers (SmolLM3) and the whole-projection q/k norm (OLMo 2) against the family and tp."""
+    if m.nope_layers is not None:
+        with_it = ", ".join(name for name, f in FAMILIES.items() if f.nope)
+        if not FAMILIES[m.family].nope:
+            raise RecipeError(f"model.nope_layers: family {m.family!r} has no such switch; families with it: {with_it}")
+        bad = [i for i in m.nope_layers if not 0 <= i < m.num_hidden_layers]
+        if bad:
+            last = m.num_hidden_layers - 1
+            raise RecipeError(f"model.nope_layers={list(m.nope_layers)}: no layer {bad[0]}; valid: 0 to {last}")
+    if m.qk_norm_whole and p.tp > 1:
+        raise RecipeError(
+            f"parallelism.tp={p.tp}: family {m.family!r} normalises q and k over all heads at once, which tp "
+            "would split; use tp: 1 (dp, cp and pp run it)"
         )
 
 

@@ -20,6 +20,9 @@ class Family:
     mla: bool = False  # multi-head latent attention (DeepSeek-V3: models/mla.py) instead of q/k/v heads
     hf_moe: str = "block_sparse_moe"  # the MoE block's name there: Mixtral's, or `mlp` (Qwen3-MoE, DeepSeek-V3)
     correction_bias: bool = False  # the router always has e_score_correction_bias (DeepSeek-V3)
+    post_norms: bool = False  # RMSNorm after attention and after the MLP, none before (OLMo 2)
+    qk_norm_whole: bool = False  # the q/k RMSNorm spans the whole projection, not each head (OLMo 2)
+    nope: bool = False  # some layers without RoPE: config.json's no_rope_layers (SmolLM3)
 
 
 FAMILIES = {
@@ -27,6 +30,12 @@ FAMILIES = {
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, window_switch=True),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, biases=("attention_bias",), window_switch=True),
     "mistral": Family("mistral", "MistralForCausalLM"),
+    "olmo2": Family(
+        "olmo2", "Olmo2ForCausalLM", qk_norm=True, biases=("attention_bias",), post_norms=True, qk_norm_whole=True
+    ),
+    "smollm3": Family(
+        "smollm3", "SmolLM3ForCausalLM", biases=("attention_bias", "mlp_bias"), window_switch=True, nope=True
+    ),
     "mixtral": Family("mixtral", "MixtralForCausalLM", experts=True),
     "deepseek_v3": Family(
         "deepseek_v3",

@@ -109,6 +109,16 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
     return theta, params
 
 
+def _nope_layers(hf: dict, layers: int) -> list[int] | None:
+    """SmolLM3's no_rope_layers (1: RoPE, 0: none, per layer; SmolLM3Config's default: every
+    no_rope_layer_interval-th layer without) as the indices of the layers without RoPE."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    return [i for i, flag in enumerate(flags) if not flag] or None
+
+
 def _window_values(hf: dict, family, layers: int) -> dict:
     """sliding_window and layer_types as the family's transformers class reads them: Qwen's
     only with use_sliding_window, on the layers from max_window_layers on (or its layer_types)."""
@@ -144,6 +154,7 @@ def hf_model_values(hf: dict, where: str) -> dict:
         family=BY_MODEL_TYPE[kind],
         head_dim=head_dim,
         **_window_values(hf, family, values["num_hidden_layers"]),
+        **({"nope_layers": _nope_layers(hf, values["num_hidden_layers"])} if family.nope else {}),
         **{key: bool(hf.get(key, False)) for key in family.biases},
     )
     return values

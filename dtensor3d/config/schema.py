@@ -52,8 +52,8 @@ class ModelConfig:
         0.0, "aux-loss-free balancing: the correction bias moves by this x sign(mean - load) each step; 0: off"
     )
     # The model family (config/families.py) and Hugging Face's switches, by their config.json names.
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3"] = knob(
-        "llama", "the architecture (README: Model families); its Hugging Face model_type on export"
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3", "olmo2", "smollm3"] = (
+        knob("llama", "the architecture (README: Model families); its Hugging Face model_type on export")
     )
     head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
     attention_bias: bool = knob(False, "biases on q, k, v and o (llama, qwen3)")
@@ -67,6 +67,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = knob(
         None, "per layer: sliding_attention or full_attention (Hugging Face's layer_types); null: all sliding"
     )
+    nope_layers: tuple[int, ...] | None = knob(None, "layers without RoPE (SmolLM3's NoPE layers); null: none")
     hidden_act: Literal["silu"] = knob("silu", "the feed-forward's activation (SwiGLU)")
     # Multi-head latent attention (family deepseek_v3: models/mla.py), by DeepseekV3Config's names.
     q_lora_rank: int | None = knob(None, "MLA: the query's low-rank width; null: one full query projection")
@@ -122,6 +123,20 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return FAMILIES[self.family].qk_norm
+
+    @property
+    def qk_norm_whole(self) -> bool:
+        """The q/k norm spans all heads' projection (OLMo 2), not each head (Qwen3)."""
+        return FAMILIES[self.family].qk_norm_whole
+
+    @property
+    def post_norms(self) -> bool:
+        """RMSNorm after attention and after the MLP (OLMo 2) instead of before them."""
+        return FAMILIES[self.family].post_norms
+
+    def layer_rope(self, index: int) -> bool:
+        """Whether layer `index` applies RoPE (all but nope_layers)."""
+        return index not in (self.nope_layers or ())
 
     @property
     def mla(self) -> bool:

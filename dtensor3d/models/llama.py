@@ -32,14 +32,17 @@ class Attention(nn.Module):
         hd, qkv_bias = cfg.head_dim, cfg.qkv_bias
         self.head_dim, self.sequence = hd, hooks.sequence
         self.window = cfg.layer_window(index)  # sliding-window attention in this layer, or None
+        self.rope = cfg.layer_rope(index)  # False: a NoPE layer (SmolLM3)
         self.freqs, self.rope_scale = inv_freq(cfg)  # a plain tensor: no buffer to shard or save
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head (Qwen3), or over the whole projection (OLMo 2)
+            whole = cfg.qk_norm_whole
+            self.q_norm = RMSNorm(cfg.num_attention_heads * hd if whole else hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.num_key_value_heads * hd if whole else hd, cfg.rms_norm_eps)
+            self.norm_whole = whole
 
     def forward(
         self,
@@ -52,10 +55,11 @@ class Attention(nn.Module):
         keys/values join the cache and they attend to every cached token. `position_ids`,
         `document_ids` [b, s] (packed documents, Hugging Face's position_ids meaning): RoPE
         positions restarting at each document, and attention within each document."""
-        q, k, v = (
-            rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        if hasattr(self, "q_norm"):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hasattr(self, "q_norm") and self.norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=self.head_dim) for t in (q, k, v))
+        if hasattr(self, "q_norm") and not self.norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if cache is not None:
             positions = torch.arange(cache.length, cache.length + q.shape[2], device=q.device)
@@ -63,8 +67,9 @@ class Attention(nn.Module):
             positions = position_ids
         else:  # the whole sequence here, or this rank's part of it under context parallelism
             positions = self.sequence.positions(q.shape[2], q.device)
-        cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
-        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        if self.rope:
+            cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
+            q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         if cache is None:
             out = self.sequence.attention(q, k, v, document_ids, window=self.window)  # [b, h, s, d]
         else:
@@ -76,9 +81,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, hooks: ModelHooks, moe: bool = False, index: int = 0):
         super().__init__()
         self.recompute = hooks.recompute  # none | full | selective
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = cfg.post_norms  # OLMo 2: norms after attention and MLP, none before
+        if not cfg.post_norms:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MultiHeadLatentAttention(cfg, hooks) if cfg.mla else Attention(cfg, hooks, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Mixtral's name for a mixture-of-experts feed-forward, Llama's for a dense one.
         if moe:
             self.block_sparse_moe = MoE(cfg, hooks)
@@ -103,11 +112,15 @@ class DecoderLayer(nn.Module):
         return out
 
     def _forward(self, x: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        h = x if self.post_norms else self.input_layernorm(x)
         # Training calls the attention with one positional input (the documents' ids as
         # keywords): tensor parallelism's input styles (sequence parallelism's gather) are
         # written for exactly that, and pass keywords through.
-        x = x + (self.self_attn(h, **docs) if cache is None else self.self_attn(h, cache))
+        h = self.self_attn(h, **docs) if cache is None else self.self_attn(h, cache)
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.feed_forward(x))
+        x = x + h
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 

@@ -27,7 +27,8 @@ def _attention_shapes(cfg) -> dict[str, tuple[int, ...]]:
     if cfg.attention_bias:
         out["o_proj.bias"] = (h,)
     if cfg.qk_norm:
-        out |= {"q_norm.weight": (hd,), "k_norm.weight": (hd,)}
+        out |= {"q_norm.weight": (q,), "k_norm.weight": (kv,)} if cfg.qk_norm_whole else {}
+        out |= {} if cfg.qk_norm_whole else {"q_norm.weight": (hd,), "k_norm.weight": (hd,)}
     return out
 
 
@@ -54,10 +55,11 @@ def _mla_shapes(cfg) -> dict[str, tuple[int, ...]]:
 def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
     """One decoder layer's parameters (models/llama.py DecoderLayer), by name within the layer."""
     h = cfg.hidden_size
-    out: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+    out: dict[str, tuple[int, ...]] = {} if cfg.post_norms else {"input_layernorm.weight": (h,)}
     attention = _mla_shapes(cfg) if cfg.mla else _attention_shapes(cfg)
     out |= {f"self_attn.{name}": shape for name, shape in attention.items()}
     out["post_attention_layernorm.weight"] = (h,)
+    out |= {"post_feedforward_layernorm.weight": (h,)} if cfg.post_norms else {}
     if not cfg.is_moe_layer(index):
         return out | _mlp_shapes("mlp", h, cfg.intermediate_size, cfg.mlp_bias)
     e, inter = cfg.num_local_experts, cfg.expert_intermediate_size

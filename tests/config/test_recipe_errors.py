@@ -128,6 +128,18 @@ CASES = [
         edit={"model.family": "mistral", "model.sliding_window": 32, "model.layer_types": ["full_attention"]},
     ),
     Case("sliding-window-zero", ("model.sliding_window=0", ">= 1"), edit={"model.sliding_window": 0}),
+    Case("nope-llama", ("model.nope_layers", "'llama'", "smollm3"), edit={"model.nope_layers": [1]}),
+    Case(
+        "nope-range",
+        ("model.nope_layers=[4]", "valid: 0 to 3"),
+        edit={"model.family": "smollm3", "model.nope_layers": [4]},
+    ),
+    Case("olmo2-tp", ("parallelism.tp=2", "'olmo2'", "tp: 1"), edit={"model.family": "olmo2", "parallelism.tp": 2}),
+    Case(
+        "window-mla",
+        ("model.sliding_window=8", "deepseek_v3"),
+        edit={"model.family": "deepseek_v3", "model.num_key_value_heads": 4, "model.sliding_window": 8},
+    ),
     Case(
         "mlp-bias-qwen2", ("model.mlp_bias", "'qwen2'", "llama"), edit={"model.family": "qwen2", "model.mlp_bias": True}
     ),

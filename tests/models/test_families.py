@@ -43,6 +43,7 @@ MLA = dict(
     v_head_dim=10,
     first_k_dense_replace=2,
 )
+NO_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # defaults past the tiny vocabulary
 FAMILIES = {
     # family: (config class, extra config, what must show in the parameter names)
     "llama3": (
@@ -67,6 +68,14 @@ FAMILIES = {
         "Qwen2Config",
         dict(use_sliding_window=True, sliding_window=12, max_window_layers=1),
         "q_proj.bias",
+    ),
+    # OLMo 2: norms after attention and the MLP (none before), q/k norms over the whole projection
+    "olmo2": ("Olmo2Config", dict(attention_bias=True), "post_feedforward_layernorm.weight"),
+    # SmolLM3: layer 1 without RoPE (no_rope_layers), tied embeddings, biases
+    "smollm3": (
+        "SmolLM3Config",
+        dict(no_rope_layers=[1, 0], tie_word_embeddings=True, attention_bias=True, mlp_bias=True, **NO_TOKENS),
+        "mlp.up_proj.bias",
     ),
     # multi-head latent attention: low-rank q, interleaved RoPE part, YaRN with both mscales
     # (softmax scale too), v_head_dim != qk width; layer 0 dense, layer 1 experts: sigmoid

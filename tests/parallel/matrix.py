@@ -65,6 +65,9 @@ OPTIONS = (
         model=True,
     ),
     Option("rope", {"plain": (), "llama3_scaled": (LLAMA3_ROPE,)}, model=True),  # past the original 8 positions
+    # A sliding window of 6 on 32 tokens: shorter than cp 2's zigzag chunks of 8, so a chunk's
+    # queries see the end of the chunk before it (and, with documents, both masks at once).
+    Option("window", {"full": (), "6": ("model.sliding_window=6",)}, model=True),
     Option("tied", {"untied": (), "tied": ("model.tie_word_embeddings=true",)}, model=True),
     Option("shared_expert", {"none": (), "32": ("model.shared_expert_intermediate_size=32",)}, model=True),
     Option("moe_layers", {"all": (), "1_3": ("model.moe_layers=[1, 3]",)}, model=True),
@@ -163,6 +166,11 @@ RULES = (
         MOE_ONLY.format("moe_layers"),
         ("moe_layers", "model"),
         lambda r: r["moe_layers"] == "all" or r["model"] in EXPERTS,
+    ),
+    Rule(
+        "sliding windows are for grouped-query attention, not DeepSeek-V3's latent attention",
+        ("model", "window"),
+        lambda r: r["window"] == "full" or r["model"] != "deepseek_v3",
     ),
     Rule(
         "DeepSeek-V3's one shared expert is n_shared_experts, not shared_expert_intermediate_size too",

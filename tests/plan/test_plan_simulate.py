@@ -76,6 +76,9 @@ def model_configs():
         "qwen2": dataclasses.replace(dense, family="qwen2"),
         "qwen3_head_dim": dataclasses.replace(dense, family="qwen3", head_dim=24, attention_bias=True),
         "llama_biases": dataclasses.replace(dense, attention_bias=True, mlp_bias=True),
+        # OLMo 2's norms after the sublayers and its whole-projection q/k norms; SmolLM3's NoPE layer
+        "olmo2": dataclasses.replace(dense, family="olmo2", attention_bias=True),
+        "smollm3_nope": dataclasses.replace(dense, family="smollm3", nope_layers=(3,), sliding_window=8),
         "deepseek_v3": load_recipe(DEEPSEEK).model,  # multi-head latent attention, low-rank q
         "deepseek_v3_full_q_bias": dataclasses.replace(
             load_recipe(DEEPSEEK).model, q_lora_rank=None, attention_bias=True
