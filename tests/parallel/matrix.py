@@ -61,6 +61,10 @@ OPTIONS = (
                 "model.router_bias_update_rate=0.01",
             ),
             "deepseek_v3": (),
+            # OLMo 2: norms after attention and the MLP, q/k norms over the whole projection (no tp)
+            "olmo2": ("model.family=olmo2", "model.attention_bias=true"),
+            # SmolLM3: layers 1 and 3 without RoPE (NoPE)
+            "smollm3": ("model.family=smollm3", "model.nope_layers=[1, 3]"),
         },
         model=True,
     ),
@@ -171,6 +175,11 @@ RULES = (
         "sliding windows are for grouped-query attention, not DeepSeek-V3's latent attention",
         ("model", "window"),
         lambda r: r["window"] == "full" or r["model"] != "deepseek_v3",
+    ),
+    Rule(
+        "OLMo 2's q/k norms span all heads, which tp would split",
+        ("model", "tp"),
+        lambda r: r["model"] != "olmo2" or r["tp"] == "1",
     ),
     Rule(
         "DeepSeek-V3's one shared expert is n_shared_experts, not shared_expert_intermediate_size too",
