@@ -73,6 +73,11 @@ def _family_fields(cfg, name: str) -> dict:
                 "export a model whose layer_types is null"
             )
         out["sliding_window"] = cfg.sliding_window
+    if family.layer_rope:  # OLMo 3: its window on the sliding layers
+        out["sliding_window"] = cfg.sliding_window
+        out["layer_types"] = [
+            ("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)
+        ]
     if family.nope:  # SmolLM3: and its special tokens' defaults where the vocabulary holds them
         out["no_rope_layers"] = [int(cfg.layer_rope(i)) for i in range(layers)]
         tokens = {"pad_token_id": 128004, "bos_token_id": 128000, "eos_token_id": 128001}
@@ -144,6 +149,7 @@ def hf_config(cfg) -> dict:
     if cfg.num_local_experts:
         _refuse_export(cfg, name)
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    layer_rope = FAMILIES[name].layer_rope
     return {
         "architectures": [FAMILIES[name].architecture],
         "model_type": FAMILIES[name].model_type,
@@ -151,7 +157,9 @@ def hf_config(cfg) -> dict:
         "head_dim": cfg.head_dim,
         **_COMMON,
         **_family_fields(cfg, name),
-        "rope_parameters": rope,
+        "rope_parameters": {"full_attention": rope, "sliding_attention": cfg.sliding_rope or rope}
+        if layer_rope
+        else rope,
         "torch_dtype": "float32",
     }
 

@@ -61,6 +61,15 @@ def _validate_family(recipe: Recipe) -> None:
     problem = rope_problem(m.rope_scaling)
     if problem:
         raise RecipeError(f"model.rope_scaling: {problem}")
+    if m.sliding_rope is not None:
+        with_it = ", ".join(name for name, f in FAMILIES.items() if f.layer_rope)
+        if not FAMILIES[m.family].layer_rope:
+            raise RecipeError(
+                f"model.sliding_rope: family {m.family!r} has no such switch; families with it: {with_it}"
+            )
+        problem = rope_problem(m.sliding_rope)
+        if problem:
+            raise RecipeError(f"model.sliding_rope: {problem}")
     if m.sliding_window is not None and m.mla:
         raise RecipeError(
             f"model.sliding_window={m.sliding_window}: family {m.family!r} (latent attention) has no sliding window; "

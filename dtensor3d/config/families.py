@@ -23,6 +23,7 @@ class Family:
     post_norms: bool = False  # RMSNorm after attention and after the MLP, none before (OLMo 2)
     qk_norm_whole: bool = False  # the q/k RMSNorm spans the whole projection, not each head (OLMo 2)
     nope: bool = False  # some layers without RoPE: config.json's no_rope_layers (SmolLM3)
+    layer_rope: bool = False  # rope_parameters per layer type (OLMo 3): one RoPE for both is read
 
 
 FAMILIES = {
@@ -32,6 +33,15 @@ FAMILIES = {
     "mistral": Family("mistral", "MistralForCausalLM"),
     "olmo2": Family(
         "olmo2", "Olmo2ForCausalLM", qk_norm=True, biases=("attention_bias",), post_norms=True, qk_norm_whole=True
+    ),
+    "olmo3": Family(
+        "olmo3",
+        "Olmo3ForCausalLM",
+        qk_norm=True,
+        biases=("attention_bias",),
+        post_norms=True,
+        qk_norm_whole=True,
+        layer_rope=True,
     ),
     "smollm3": Family(
         "smollm3", "SmolLM3ForCausalLM", biases=("attention_bias", "mlp_bias"), window_switch=True, nope=True

@@ -90,12 +90,22 @@ def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
         raise refuse("attention_dropout", "dropout is not supported; use 0.0")
 
 
-def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from transformers 5's rope_parameters or 4's rope_theta and
-    rope_scaling; the default RoPE is no scaling."""
+def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None, dict | None]:
+    """(rope_theta, rope_scaling, sliding_rope) from transformers 5's rope_parameters (per
+    layer type: OLMo 3's) or 4's rope_theta and rope_scaling; the default RoPE is no scaling."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # a 4.x scaling wins
     theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
     params = dict(hf.get(key) or {})
+    if "full_attention" not in params:
+        return (*_one_rope(params, theta, where, key), None)
+    full = _one_rope(dict(params["full_attention"]), theta, where, f"{key}.full_attention")
+    local = _one_rope(dict(params.get("sliding_attention") or {}), theta, where, f"{key}.sliding_attention")
+    sliding = None if local == full else {"rope_type": "default", **(local[1] or {}), "rope_theta": local[0]}
+    return (*full, sliding)
+
+
+def _one_rope(params: dict, theta: float, where: str, key: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of one rope_parameters dict."""
     theta = params.pop("rope_theta", theta)
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError(f"{where}: {key}: partial_rotary_factor: only 1.0 (RoPE on the whole head) is supported")
@@ -126,7 +136,7 @@ def _window_values(hf: dict, family, layers: int) -> dict:
     window = hf.get("sliding_window") if windowed else None
     if window is None:
         return {"sliding_window": None, "layer_types": None}
-    types = hf.get("layer_types") if family.window_switch else None
+    types = hf.get("layer_types") if family.window_switch or family.layer_rope else None
     if family.window_switch and types is None:
         start = hf.get("max_window_layers", 28)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
@@ -149,7 +159,8 @@ def hf_model_values(hf: dict, where: str) -> dict:
         # Multi-token prediction layers (num_nextn_predict_layers) are ignored, as transformers does.
         values.update({key: hf.get(key, default) for key, default in MLA_DEFAULTS.items()})
         values["num_key_value_heads"], head_dim = values["num_attention_heads"], values["qk_rope_head_dim"]
-    values["rope_theta"], values["rope_scaling"] = _rope_from_hf(hf, where)
+    values["rope_theta"], values["rope_scaling"], sliding_rope = _rope_from_hf(hf, where)
+    values.update({"sliding_rope": sliding_rope} if sliding_rope else {})
     values.update(
         family=BY_MODEL_TYPE[kind],
         head_dim=head_dim,

@@ -52,9 +52,9 @@ class ModelConfig:
         0.0, "aux-loss-free balancing: the correction bias moves by this x sign(mean - load) each step; 0: off"
     )
     # The model family (config/families.py) and Hugging Face's switches, by their config.json names.
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3", "olmo2", "smollm3"] = (
-        knob("llama", "the architecture (README: Model families); its Hugging Face model_type on export")
-    )
+    family: Literal[
+        "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3", "olmo2", "olmo3", "smollm3"
+    ] = knob("llama", "the architecture (README: Model families); its Hugging Face model_type on export")
     head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
     attention_bias: bool = knob(False, "biases on q, k, v and o (llama, qwen3)")
     mlp_bias: bool = knob(False, "biases on gate, up and down (llama)")
@@ -66,6 +66,9 @@ class ModelConfig:
     )
     layer_types: tuple[str, ...] | None = knob(
         None, "per layer: sliding_attention or full_attention (Hugging Face's layer_types); null: all sliding"
+    )
+    sliding_rope: dict | None = knob(
+        None, "RoPE of the sliding_attention layers: rope_theta and a rope_type's keys (OLMo 3); null: as the others"
     )
     nope_layers: tuple[int, ...] | None = knob(None, "layers without RoPE (SmolLM3's NoPE layers); null: none")
     hidden_act: Literal["silu"] = knob("silu", "the feed-forward's activation (SwiGLU)")
@@ -133,6 +136,16 @@ class ModelConfig:
     def post_norms(self) -> bool:
         """RMSNorm after attention and after the MLP (OLMo 2) instead of before them."""
         return FAMILIES[self.family].post_norms
+
+    def rope_of(self, index: int) -> ModelConfig:
+        """The config whose rope_theta / rope_scaling layer `index` rotates by (sliding_rope on
+        a sliding-window layer)."""
+        if self.sliding_rope is None or self.layer_window(index) is None:
+            return self
+        scaling = {k: v for k, v in self.sliding_rope.items() if k != "rope_theta"}
+        scaling = None if scaling.get("rope_type", "default") == "default" else scaling
+        theta = self.sliding_rope.get("rope_theta", self.rope_theta)
+        return dataclasses.replace(self, rope_theta=theta, rope_scaling=scaling, sliding_rope=None)
 
     def layer_rope(self, index: int) -> bool:
         """Whether layer `index` applies RoPE (all but nope_layers)."""

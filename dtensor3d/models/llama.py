@@ -33,7 +33,7 @@ class Attention(nn.Module):
         self.head_dim, self.sequence = hd, hooks.sequence
         self.window = cfg.layer_window(index)  # sliding-window attention in this layer, or None
         self.rope = cfg.layer_rope(index)  # False: a NoPE layer (SmolLM3)
-        self.freqs, self.rope_scale = inv_freq(cfg)  # a plain tensor: no buffer to shard or save
+        self.freqs, self.rope_scale = inv_freq(cfg.rope_of(index))  # a plain tensor: no buffer to shard or save
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)

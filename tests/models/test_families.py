@@ -71,6 +71,12 @@ FAMILIES = {
     ),
     # OLMo 2: norms after attention and the MLP (none before), q/k norms over the whole projection
     "olmo2": ("Olmo2Config", dict(attention_bias=True), "post_feedforward_layernorm.weight"),
+    # OLMo 3: OLMo 2's and sliding layers (layer_types: layer 1 full, 0 and 2 sliding)
+    "olmo3": (
+        "Olmo3Config",
+        dict(num_hidden_layers=3, sliding_window=12, **NO_TOKENS),
+        "post_feedforward_layernorm.weight",
+    ),
     # SmolLM3: layer 1 without RoPE (no_rope_layers), tied embeddings, biases
     "smollm3": (
         "SmolLM3Config",
