@@ -28,6 +28,12 @@ RECIPES = {
     # paper's 671B. The Hugging Face checkpoint's 684.5B adds that module (13,463,426,304
     # counted the same way: one MoE layer, eh_proj, its norms, embedding and head) and FP8 scales.
     "deepseek_v3_671b_plan": 671_026_419_200,
+    # 36 x (attention 10,489,856 + MLP 67,633,152 + norms 4,096) + tied embedding 262,668,288 + final
+    # norm 2,048: the model card's 3.08B
+    "smollm3_3b_plan": 3_075_098_624,
+    # 32 x (attention 67,108,864 + whole-projection q/k norms 8,192 + MLP 135,266,304 + post norms
+    # 8,192) + embedding and head 822,083,584 + final norm 4,096: the model card's 7.30B
+    "olmo2_7b_plan": 7_298_617_344,
 }
 
 
