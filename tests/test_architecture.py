@@ -93,7 +93,7 @@ FLOORS = {
     "generate": 5,
     "recipe": 6,  # the library's re-export of config.schema
     "__main__": 6,
-    "__init__": 0,  # dtensor3d/__init__.py: the version, nothing imported
+    "__init__": 0,  # dtensor3d/__init__.py: the version; the library face by name, on first use (no import)
 }
 
 
