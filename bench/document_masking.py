@@ -46,7 +46,7 @@ def train_steps(data: str, steps: int, device: str) -> tuple[dict, float]:
     """{(masked, clock): median seconds per step} for masked True/False and clock "wall"/"cpu",
     and the mean documents per window."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from throughput import bench_recipe
+    from common import bench_recipe
 
     from dtensor3d.datasets.sources import make_source
     from dtensor3d.training.train import rank_batch, setup, train_step

@@ -36,7 +36,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, line
+
 FULL = dict(vocab=2048, hidden=256, inter=688, layers=4, heads=8, kv=4, seq=256, batch=8, micro=2)
 QUICK = dict(vocab=256, hidden=64, inter=128, layers=2, heads=4, kv=2, seq=32, batch=4, micro=2)
 ASYNC = "parallelism.tp_linear_async_communication=true"
@@ -243,10 +244,10 @@ def run_job(ranks: int, tasks: list, args, ckpt: str) -> dict[str, float]:
     cmd += ["--quick"] * args.quick
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("TP_AUTO_ERROR") and line not in args.seen:
-            args.seen.add(line)
-            print(f"transformers tp_plan='auto' cannot run here: {line.split(' ', 1)[1]}", flush=True)
+    for text in proc.stdout.splitlines():
+        if text.startswith("TP_AUTO_ERROR") and text not in args.seen:
+            args.seen.add(text)
+            print(f"transformers tp_plan='auto' cannot run here: {text.split(' ', 1)[1]}", flush=True)
     if proc.returncode:
         raise SystemExit(f"{tasks} failed:\n{proc.stderr[-3000:]}")
     with open(out) as f:
@@ -278,16 +279,6 @@ def shared_checkpoint(shape: dict) -> str:
     box = [make_checkpoint(shape) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box)
     return box[0]
-
-
-def line(name: str, peer_name: str, ours_v: list[float], peer_v: list[float], unit: str, higher: bool = True) -> str:
-    """A row: the medians over rounds, their ratio, and with several rounds the range of the
-    ratios round by round (each round's two runs measured side by side)."""
-    o, p = statistics.median(ours_v), statistics.median(peer_v)
-    ratio = o / p if higher else p / o
-    text = f"{name:28s} dtensor3d {o:10,.1f} {unit:6s} {peer_name:30s} {p:10,.1f} {unit:6s} ratio {ratio:5.2f}"
-    per_round = [a / b if higher else b / a for a, b in zip(ours_v, peer_v)]
-    return text + (f"  (rounds {min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else "")
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from peers import ROOT, line
+from common import ROOT, line
 
 PROMPT = "The quick brown fox jumps over"
 HF_ONE_TOKEN = (

@@ -23,15 +23,8 @@ import tempfile
 import time
 
 import torch
+from common import BENCH, ROOT, bench_recipe
 
-BENCH = {
-    "model": dict(
-        vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-    ),
-    "training": dict(sequence_length=256, global_batch_size=8, micro_batch_size=2, steps=1000, eval_every=0),
-    "optimizer": dict(lr=1e-4, warmup_steps=0, decay="constant"),
-}  # fmt: skip
 PP2 = ["parallelism.pp=2"]  # 4 layers, 4 microbatches of 2
 # pp 4: 8 layers (2 per stage under the multi-stage schedules) and 8 microbatches, for every schedule
 PP4 = ["parallelism.pp=4", "model.num_hidden_layers=8", "training.global_batch_size=16"]
@@ -57,18 +50,6 @@ def bubble(recipe) -> float:
     if not p.pp_enabled:
         return 0.0
     return 0.0 if p.pp_engine in ("zbv", "dualpipev") else (p.pp - 1) / (p.stages_per_rank * m + p.pp - 1)
-
-
-def bench_recipe(overrides: list[str], device: str):
-    from dtensor3d.config.checks import validate
-    from dtensor3d.config.load import recipe_from_dict
-
-    raw = {k: dict(v) for k, v in BENCH.items()}
-    raw["training"]["device"] = device
-    raw["logging"] = {"run_dir": tempfile.mkdtemp(prefix="bench-")}
-    recipe = recipe_from_dict(raw, overrides)
-    validate(recipe)
-    return recipe
 
 
 def worker(overrides: list[str], steps: int, device: str, out: str) -> None:
@@ -140,9 +121,6 @@ def hf_reference(args) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench_loss(model, ids: torch.Tensor, bf16: bool) -> torch.Tensor:
