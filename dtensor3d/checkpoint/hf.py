@@ -73,7 +73,11 @@ def _family_fields(cfg, name: str) -> dict:
                 "export a model whose layer_types is null"
             )
         out["sliding_window"] = cfg.sliding_window
-    if family.layer_rope:  # OLMo 3: its window on the sliding layers
+    if family.sandwich_norms:  # Gemma 3: its activation's key and the attention scale
+        out.update(hidden_activation=cfg.hidden_act, hidden_act=cfg.hidden_act)
+        out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim)
+        out.update(final_logit_softcapping=None, attn_logit_softcapping=None)
+    if family.layer_rope:  # OLMo 3, Gemma 3: the window on the sliding layers
         out["sliding_window"] = cfg.sliding_window
         out["layer_types"] = [
             ("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)
@@ -156,6 +160,7 @@ def hf_config(cfg) -> dict:
         **{key: getattr(cfg, key) for key in LLAMA_KEYS},
         "head_dim": cfg.head_dim,
         **_COMMON,
+        "hidden_act": cfg.hidden_act,
         **_family_fields(cfg, name),
         "rope_parameters": {"full_attention": rope, "sliding_attention": cfg.sliding_rope or rope}
         if layer_rope

@@ -96,6 +96,13 @@ def _validate_switches(m: ModelConfig, p: ParallelismConfig) -> None:
         if bad:
             last = m.num_hidden_layers - 1
             raise RecipeError(f"model.nope_layers={list(m.nope_layers)}: no layer {bad[0]}; valid: 0 to {last}")
+    if (m.post_norms or m.sandwich_norms) and p.sequence_parallel and not m.qk_norm_whole:
+        raise RecipeError(
+            f"parallelism.tp_mode={p.tp_mode}: family {m.family!r} has norms after attention and the MLP, which "
+            "sequence parallelism does not shard; use tp_mode: ALL_REDUCE"
+        )
+    if m.hidden_act != "silu" and m.num_local_experts:
+        raise RecipeError(f"model.hidden_act={m.hidden_act!r}: experts are SwiGLU; use silu with num_local_experts > 0")
     if m.qk_norm_whole and p.tp > 1:
         raise RecipeError(
             f"parallelism.tp={p.tp}: family {m.family!r} normalises q and k over all heads at once, which tp "

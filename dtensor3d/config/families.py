@@ -23,7 +23,10 @@ class Family:
     post_norms: bool = False  # RMSNorm after attention and after the MLP, none before (OLMo 2)
     qk_norm_whole: bool = False  # the q/k RMSNorm spans the whole projection, not each head (OLMo 2)
     nope: bool = False  # some layers without RoPE: config.json's no_rope_layers (SmolLM3)
-    layer_rope: bool = False  # rope_parameters per layer type (OLMo 3): one RoPE for both is read
+    layer_rope: bool = False  # rope_parameters per layer type (OLMo 3, Gemma 3): sliding_rope
+    sandwich_norms: bool = False  # norms before and after attention and the MLP (Gemma 3)
+    norm_offset: bool = False  # RMSNorm scales by 1 + weight (Gemma)
+    embed_scale: bool = False  # the embedding times sqrt(hidden_size) (Gemma)
 
 
 FAMILIES = {
@@ -42,6 +45,16 @@ FAMILIES = {
         post_norms=True,
         qk_norm_whole=True,
         layer_rope=True,
+    ),
+    "gemma3_text": Family(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        qk_norm=True,
+        biases=("attention_bias",),
+        layer_rope=True,
+        sandwich_norms=True,
+        norm_offset=True,
+        embed_scale=True,
     ),
     "smollm3": Family(
         "smollm3", "SmolLM3ForCausalLM", biases=("attention_bias", "mlp_bias"), window_switch=True, nope=True
@@ -78,7 +91,7 @@ ROPE_TYPES = {
 ROPE_OPTIONAL = {
     "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
 }
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def rope_problem(rope: dict | None) -> str | None:

@@ -81,8 +81,12 @@ def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
         raise refuse("model_type", f"supported model_type: {', '.join(BY_MODEL_TYPE)}")
     if kind in ("mixtral", "qwen3_moe") and hf.get("router_jitter_noise", 0.0):
         raise refuse("router_jitter_noise", "router noise is not supported; use 0.0")
-    if hf.get("hidden_act", "silu") not in ACTIVATIONS:
-        raise refuse("hidden_act", f"supported: {', '.join(ACTIVATIONS)} (SwiGLU)")
+    act = "hidden_activation" if "hidden_activation" in hf else "hidden_act"  # Gemma's key, or Llama's
+    if hf.get(act, "silu") not in ACTIVATIONS:
+        raise refuse(act, f"supported: {', '.join(ACTIVATIONS)} (SwiGLU, GeGLU)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise refuse(key, "logit soft-capping is not supported; use null")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key) and key not in FAMILIES[BY_MODEL_TYPE[kind]].biases:
             raise refuse(key, f"not supported for model_type {kind!r}")
@@ -97,7 +101,9 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None, dict | None
     theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
     params = dict(hf.get(key) or {})
     if "full_attention" not in params:
-        return (*_one_rope(params, theta, where, key), None)
+        local = hf.get("rope_local_base_freq")  # Gemma 3's sliding-layer base in transformers 4
+        sliding = None if local is None else {"rope_type": "default", "rope_theta": local}
+        return (*_one_rope(params, theta, where, key), sliding)
     full = _one_rope(dict(params["full_attention"]), theta, where, f"{key}.full_attention")
     local = _one_rope(dict(params.get("sliding_attention") or {}), theta, where, f"{key}.sliding_attention")
     sliding = None if local == full else {"rope_type": "default", **(local[1] or {}), "rope_theta": local[0]}
@@ -166,6 +172,8 @@ def hf_model_values(hf: dict, where: str) -> dict:
         head_dim=head_dim,
         **_window_values(hf, family, values["num_hidden_layers"]),
         **({"nope_layers": _nope_layers(hf, values["num_hidden_layers"])} if family.nope else {}),
+        hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
+        **({"query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256)} if family.sandwich_norms else {}),
         **{key: bool(hf.get(key, False)) for key in family.biases},
     )
     return values

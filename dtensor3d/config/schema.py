@@ -53,7 +53,17 @@ class ModelConfig:
     )
     # The model family (config/families.py) and Hugging Face's switches, by their config.json names.
     family: Literal[
-        "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3", "olmo2", "olmo3", "smollm3"
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "mixtral",
+        "qwen3_moe",
+        "deepseek_v3",
+        "olmo2",
+        "olmo3",
+        "smollm3",
+        "gemma3_text",
     ] = knob("llama", "the architecture (README: Model families); its Hugging Face model_type on export")
     head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
     attention_bias: bool = knob(False, "biases on q, k, v and o (llama, qwen3)")
@@ -71,7 +81,12 @@ class ModelConfig:
         None, "RoPE of the sliding_attention layers: rope_theta and a rope_type's keys (OLMo 3); null: as the others"
     )
     nope_layers: tuple[int, ...] | None = knob(None, "layers without RoPE (SmolLM3's NoPE layers); null: none")
-    hidden_act: Literal["silu"] = knob("silu", "the feed-forward's activation (SwiGLU)")
+    hidden_act: Literal["silu", "gelu_pytorch_tanh"] = knob(
+        "silu", "the feed-forward's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma 3)"
+    )
+    query_pre_attn_scalar: int | None = knob(
+        None, "attention scores scaled by its -1/2 power (Gemma 3); null: head_dim's"
+    )
     # Multi-head latent attention (family deepseek_v3: models/mla.py), by DeepseekV3Config's names.
     q_lora_rank: int | None = knob(None, "MLA: the query's low-rank width; null: one full query projection")
     kv_lora_rank: int = knob(32, "MLA: the compressed key/value latent's width", positive=True)
@@ -146,6 +161,18 @@ class ModelConfig:
         scaling = None if scaling.get("rope_type", "default") == "default" else scaling
         theta = self.sliding_rope.get("rope_theta", self.rope_theta)
         return dataclasses.replace(self, rope_theta=theta, rope_scaling=scaling, sliding_rope=None)
+
+    @property
+    def sandwich_norms(self) -> bool:
+        return FAMILIES[self.family].sandwich_norms
+
+    @property
+    def norm_offset(self) -> bool:
+        return FAMILIES[self.family].norm_offset
+
+    @property
+    def embed_scale(self) -> bool:
+        return FAMILIES[self.family].embed_scale
 
     def layer_rope(self, index: int) -> bool:
         """Whether layer `index` applies RoPE (all but nope_layers)."""

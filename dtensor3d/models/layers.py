@@ -24,21 +24,24 @@ from torch.utils.checkpoint import (
 )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in fp32 and scaled in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and scaled in x's dtype; `offset`: scaled
+    by 1 + weight in fp32 (Gemma's x·(1+w)), then cast."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (1.0 + weight.float())).type_as(x)
     return weight * xf.type_as(x)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def visible(q_index: torch.Tensor, k_index: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -243,12 +246,14 @@ class MLP(nn.Module):
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
         bias = getattr(cfg, "mlp_bias", False)
+        self.gelu = getattr(cfg, "hidden_act", "silu") == "gelu_pytorch_tanh"  # GeGLU (Gemma 3), else SwiGLU
         self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=bias)
         self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=bias)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = F.gelu(self.gate_proj(x), approximate="tanh") if self.gelu else F.silu(self.gate_proj(x))
+        return self.down_proj(gate * self.up_proj(x))
 
 
 def init_std(name: str) -> float | None:

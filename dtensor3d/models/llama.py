@@ -23,6 +23,11 @@ from .moe import MoE
 from .rope import apply_rope, inv_freq, rope_tables
 
 
+def _norm(cfg, dim: int) -> RMSNorm:
+    """An RMSNorm of the config's kind: x·w, or x·(1+w) (Gemma 3: norm_offset)."""
+    return RMSNorm(dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
+
+
 class Attention(nn.Module):
     """Grouped-query attention; the config's switches add q/k/v (and o) biases and per-head
     q/k RMSNorm (Qwen3), and choose the RoPE scaling (models/rope.py)."""
@@ -40,9 +45,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
         if cfg.qk_norm:  # per head (Qwen3), or over the whole projection (OLMo 2)
             whole = cfg.qk_norm_whole
-            self.q_norm = RMSNorm(cfg.num_attention_heads * hd if whole else hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.num_key_value_heads * hd if whole else hd, cfg.rms_norm_eps)
+            self.q_norm = _norm(cfg, cfg.num_attention_heads * hd if whole else hd)
+            self.k_norm = _norm(cfg, cfg.num_key_value_heads * hd if whole else hd)
             self.norm_whole = whole
+        # Gemma 3's query_pre_attn_scalar: scores scaled by its -1/2 power, not head_dim's
+        self.q_scale = (hd / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
 
     def forward(
         self,
@@ -70,6 +77,8 @@ class Attention(nn.Module):
         if self.rope:
             cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
             q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if cache is None:
             out = self.sequence.attention(q, k, v, document_ids, window=self.window)  # [b, h, s, d]
         else:
@@ -81,13 +90,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, hooks: ModelHooks, moe: bool = False, index: int = 0):
         super().__init__()
         self.recompute = hooks.recompute  # none | full | selective
-        self.post_norms = cfg.post_norms  # OLMo 2: norms after attention and MLP, none before
+        # Llama: norms before attention and MLP; OLMo 2 (post_norms): after them, none before;
+        # Gemma 3 (sandwich_norms): both, by Hugging Face's names.
+        self.after = cfg.post_norms or cfg.sandwich_norms
         if not cfg.post_norms:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.self_attn = MultiHeadLatentAttention(cfg, hooks) if cfg.mla else Attention(cfg, hooks, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+        if self.after:
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         # Mixtral's name for a mixture-of-experts feed-forward, Llama's for a dense one.
         if moe:
             self.block_sparse_moe = MoE(cfg, hooks)
@@ -112,16 +125,17 @@ class DecoderLayer(nn.Module):
         return out
 
     def _forward(self, x: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
-        h = x if self.post_norms else self.input_layernorm(x)
+        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
         # Training calls the attention with one positional input (the documents' ids as
         # keywords): tensor parallelism's input styles (sequence parallelism's gather) are
         # written for exactly that, and pass keywords through.
         h = self.self_attn(h, **docs) if cache is None else self.self_attn(h, cache)
-        if self.post_norms:
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.feed_forward(x))
-        x = x + h
-        return x + self.feed_forward(self.post_attention_layernorm(x))
+        if not self.after:
+            x = x + h
+            return x + self.feed_forward(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        h = self.pre_feedforward_layernorm(x) if hasattr(self, "pre_feedforward_layernorm") else x
+        return x + self.post_feedforward_layernorm(self.feed_forward(h))
 
 
 class LlamaModel(nn.Module):
@@ -134,11 +148,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): DecoderLayer(cfg, hooks, moe=cfg.is_moe_layer(i), index=i) for i in range(cfg.num_hidden_layers)}
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = _norm(cfg, cfg.hidden_size)
 
     def forward(self, h: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)  # [b, s] -> [b, s, hidden]
+            if self.cfg.embed_scale:  # Gemma 3: times sqrt(hidden), rounded to the weights' dtype
+                h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)
         for layer in self.layers.values():
             h = layer(h, **docs) if cache is None else layer(h, cache)
         if self.norm is not None:

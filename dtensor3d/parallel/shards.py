@@ -104,8 +104,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         name = stored_name(model.cfg, name)
         std = init_std(name)
-        if std is None:
-            full = torch.ones(p.shape)
+        if std is None:  # a norm's weight: 1, or 0 where the norm scales by 1 + weight (Gemma)
+            full = torch.zeros(p.shape) if model.cfg.norm_offset else torch.ones(p.shape)
         else:
             full = torch.randn(p.shape, generator=torch.Generator().manual_seed(param_seed(seed, name))) * std
         copy_full_(p, full)

@@ -59,7 +59,8 @@ def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
     attention = _mla_shapes(cfg) if cfg.mla else _attention_shapes(cfg)
     out |= {f"self_attn.{name}": shape for name, shape in attention.items()}
     out["post_attention_layernorm.weight"] = (h,)
-    out |= {"post_feedforward_layernorm.weight": (h,)} if cfg.post_norms else {}
+    out |= {"pre_feedforward_layernorm.weight": (h,)} if cfg.sandwich_norms else {}
+    out |= {"post_feedforward_layernorm.weight": (h,)} if cfg.post_norms or cfg.sandwich_norms else {}
     if not cfg.is_moe_layer(index):
         return out | _mlp_shapes("mlp", h, cfg.intermediate_size, cfg.mlp_bias)
     e, inter = cfg.num_local_experts, cfg.expert_intermediate_size

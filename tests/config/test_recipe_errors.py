@@ -134,6 +134,11 @@ CASES = [
         ("model.nope_layers=[4]", "valid: 0 to 3"),
         edit={"model.family": "smollm3", "model.nope_layers": [4]},
     ),
+    Case(
+        "gemma3-sequence-parallel",
+        ("parallelism.tp_mode=REDUCE_SCATTER", "'gemma3_text'", "ALL_REDUCE"),
+        edit={"model.family": "gemma3_text", "parallelism.tp": 2, "parallelism.tp_mode": "REDUCE_SCATTER"},
+    ),
     Case("olmo2-tp", ("parallelism.tp=2", "'olmo2'", "tp: 1"), edit={"model.family": "olmo2", "parallelism.tp": 2}),
     Case(
         "window-mla",

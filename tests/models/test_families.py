@@ -77,6 +77,22 @@ FAMILIES = {
         dict(num_hidden_layers=3, sliding_window=12, **NO_TOKENS),
         "post_feedforward_layernorm.weight",
     ),
+    # Gemma 3: the embedding times sqrt(hidden), x·(1+w) norms before and after attention and
+    # the MLP, GeGLU, query_pre_attn_scalar 20 (not head_dim 16), per-head q/k norms, layers 0
+    # and 2 sliding (window 12) with their own RoPE base, tied embeddings
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=12,
+            query_pre_attn_scalar=20,
+            rope_local_base_freq=777.0,
+            tie_word_embeddings=True,
+        ),
+        "pre_feedforward_layernorm.weight",
+    ),
     # SmolLM3: layer 1 without RoPE (no_rope_layers), tied embeddings, biases
     "smollm3": (
         "SmolLM3Config",

@@ -78,6 +78,9 @@ def model_configs():
         "llama_biases": dataclasses.replace(dense, attention_bias=True, mlp_bias=True),
         # OLMo 2's norms after the sublayers and its whole-projection q/k norms; SmolLM3's NoPE layer
         "olmo2": dataclasses.replace(dense, family="olmo2", attention_bias=True),
+        "gemma3_sandwich": dataclasses.replace(
+            dense, family="gemma3_text", hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True
+        ),
         "smollm3_nope": dataclasses.replace(dense, family="smollm3", nope_layers=(3,), sliding_window=8),
         "deepseek_v3": load_recipe(DEEPSEEK).model,  # multi-head latent attention, low-rank q
         "deepseek_v3_full_q_bias": dataclasses.replace(
