@@ -34,7 +34,7 @@ RECIPES = {
     # 32 x (attention 67,108,864 + whole-projection q/k norms 8,192 + MLP 135,266,304 + post norms
     # 8,192) + embedding and head 822,083,584 + final norm 4,096: the model card's 7.30B
     "olmo2_7b_plan": 7_298_617_344,
-    # 26 x (attention 5,013,504 with its head q/k norms + GeGLU 23,887,872 + four norms 4,608) + tied
+    # 26 x (attention 2,949,632 with its per-head q/k norms + GeGLU 23,887,872 + four norms 4,608) + tied
     # embedding 301,989,888 + final norm 1,152: google/gemma-3-1b-pt's 999,885,952
     "gemma3_1b_plan": 999_885_952,
 }
