@@ -57,6 +57,12 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
 _COMMON = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
 
 
+_TOKEN_DEFAULTS = {
+    "smollm3": {"pad_token_id": 128004, "bos_token_id": 128000, "eos_token_id": 128001},
+    "phi3": {"pad_token_id": 32000, "bos_token_id": 1, "eos_token_id": 32000},
+}
+
+
 def _family_fields(cfg, name: str) -> dict:
     """What the family's own config class holds beyond Llama's common keys."""
     family, layers = FAMILIES[name], cfg.num_hidden_layers
@@ -66,7 +72,7 @@ def _family_fields(cfg, name: str) -> dict:
         first = types.index("sliding_attention") if cfg.sliding_window is not None else layers
         out.update(use_sliding_window=first < layers, sliding_window=cfg.sliding_window, max_window_layers=first)
         out["layer_types"] = types
-    elif name in ("mistral", "mixtral"):
+    elif name in ("mistral", "mixtral", "phi3"):  # one window on every layer
         if len({cfg.layer_window(i) for i in range(layers)}) > 1:
             raise CheckpointError(
                 f"model.layer_types={list(cfg.layer_types)}: {family.architecture} windows every layer alike; "
@@ -82,10 +88,11 @@ def _family_fields(cfg, name: str) -> dict:
         out["layer_types"] = [
             ("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)
         ]
-    if family.nope:  # SmolLM3: and its special tokens' defaults where the vocabulary holds them
+    if family.nope:  # SmolLM3
         out["no_rope_layers"] = [int(cfg.layer_rope(i)) for i in range(layers)]
-        tokens = {"pad_token_id": 128004, "bos_token_id": 128000, "eos_token_id": 128001}
-        out.update({key: (t if t < cfg.vocab_size else None) for key, t in tokens.items()})
+    # the class's special-token defaults where the vocabulary holds them (else its embedding refuses)
+    tokens = _TOKEN_DEFAULTS.get(name, {})
+    out.update({key: (t if t < cfg.vocab_size else None) for key, t in tokens.items()})
     if name == "mixtral":
         out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
         out.update(router_jitter_noise=0.0, output_router_logits=False)

@@ -4,6 +4,8 @@ here, are one Linear each there, and Qwen3-MoE's MoE block is `mlp` (`HFNames`, 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import torch
@@ -27,6 +29,21 @@ EXPERTS_RE = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(w[1
 # Each stacked tensor's projection by the family's MoE name (Family.hf_moe): Mixtral's w1/w2/w3,
 # or gate_proj/down_proj/up_proj (Qwen3-MoE, DeepSeek-V3, under `mlp`).
 PROJ = {"block_sparse_moe": {}, "mlp": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}}
+
+
+# Phi-3's fused projections: our separate ones, in the order their rows are stacked there.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_RE = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
+
+
+def fused_part(name: str) -> tuple[str, tuple[str, ...], int] | None:
+    """Our q/k/v or gate/up weight -> (the fused tensor's name, our names of its parts, which
+    part this is); None for any other tensor."""
+    m = FUSED_RE.match(name)
+    if not m:
+        return None
+    fused, parts = next((f, p) for f, p in FUSED.items() if m[2] in p)
+    return f"{m[1]}.{fused}.weight", tuple(f"{m[1]}.{p}.weight" for p in parts), parts.index(m[2])
 
 
 class HFNames:
@@ -58,9 +75,14 @@ class HFNames:
 def hf_shapes(cfg) -> dict[str, list[int]]:
     """Parameter shapes by Hugging Face name: ours, except experts one by one."""
     names, out = HFNames(cfg.family), {}
+    fused = FAMILIES[cfg.family].fused
     for name, shape in expected_shapes(cfg).items():
         split = names.experts(name, shape[0]) if EXPERTS_RE.match(name) else None
-        if split:
+        part = fused_part(name) if fused else None
+        if part:  # rows stacked in the fused tensor
+            rows = out.get(part[0], [0, shape[1]])[0]
+            out[part[0]] = [rows + shape[0], shape[1]]
+        elif split:
             out.update(dict.fromkeys(split, [shape[2], shape[1]]))
         else:
             out[names.plain(name)] = shape
@@ -73,6 +95,12 @@ def to_hf_lazy(name: str, source: SliceReader, family: str = "llama") -> dict[st
     holds one at a time."""
     names, shape, dtype = HFNames(family), source.shape(name), source.dtype(name)
     split = names.experts(name, shape[0]) if EXPERTS_RE.match(name) else None
+    part = fused_part(name) if FAMILIES[family].fused else None
+    if part:  # the first part writes the fused tensor (its rows: every part's), the others nothing
+        if part[2]:
+            return {}
+        rows = sum(source.shape(p)[0] for p in part[1])
+        return {part[0]: (dtype, [rows, shape[1]], lambda: torch.cat([source.get(p) for p in part[1]]))}
     if not split:
         return {names.plain(name): (dtype, shape, lambda: source.get(name))}
     _, d_in, d_out = shape
@@ -90,6 +118,24 @@ class HFSlices(SliceReader):
     def __init__(self, root: str, weight_map: dict[str, str], family: str = "llama"):
         super().__init__(root, full_index(root, weight_map))
         self.names = HFNames(family)
+        self.fused, self.root = FAMILIES[family].fused, root
+
+    def _part(self, name: str) -> tuple[str, int, int] | None:
+        """A fused tensor's part: (the fused name, its first row there, its rows), by the
+        head counts of the directory's config.json; None for any other tensor."""
+        part = fused_part(name) if self.fused else None
+        if part is None:
+            return None
+        with open(os.path.join(self.root, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        rows_all = super().shape(part[0])[0]
+        if part[0].endswith("gate_up_proj.weight"):
+            sizes = [rows_all // 2] * 2
+        else:
+            hd = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+            kv = (hf.get("num_key_value_heads") or hf["num_attention_heads"]) * hd
+            sizes = [rows_all - 2 * kv, kv, kv]
+        return part[0], sum(sizes[: part[2]]), sizes[part[2]]
 
     def _expert_keys(self, name: str) -> list[str] | None:
         m = EXPERTS_RE.match(name)
@@ -101,6 +147,9 @@ class HFSlices(SliceReader):
         return self.names.experts(name, count)
 
     def shape(self, name: str) -> list[int]:
+        part = self._part(name)
+        if part:
+            return [part[2], super().shape(part[0])[1]]
         keys = self._expert_keys(name)
         if keys is None:
             return super().shape(self.names.plain(name))
@@ -108,10 +157,17 @@ class HFSlices(SliceReader):
         return [len(keys), d_in, d_out]
 
     def dtype(self, name: str) -> torch.dtype:
+        part = self._part(name)
+        if part:
+            return super().dtype(part[0])
         keys = self._expert_keys(name)
         return super().dtype(keys[0] if keys else self.names.plain(name))
 
     def read(self, name: str, start=None, size=None) -> torch.Tensor:
+        part = self._part(name)
+        if part:
+            start, size = list(start or [0, 0]), list(size or self.shape(name))
+            return super().read(part[0], [part[1] + start[0], start[1]], size)
         keys = self._expert_keys(name)
         if keys is None:
             return super().read(self.names.plain(name), start, size)

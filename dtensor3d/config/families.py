@@ -27,6 +27,7 @@ class Family:
     sandwich_norms: bool = False  # norms before and after attention and the MLP (Gemma 3)
     norm_offset: bool = False  # RMSNorm scales by 1 + weight (Gemma)
     embed_scale: bool = False  # the embedding times sqrt(hidden_size) (Gemma)
+    fused: bool = False  # the checkpoint fuses q/k/v into qkv_proj and gate/up into gate_up_proj (Phi-3)
 
 
 FAMILIES = {
@@ -56,6 +57,7 @@ FAMILIES = {
         norm_offset=True,
         embed_scale=True,
     ),
+    "phi3": Family("phi3", "Phi3ForCausalLM", fused=True),
     "smollm3": Family(
         "smollm3", "SmolLM3ForCausalLM", biases=("attention_bias", "mlp_bias"), window_switch=True, nope=True
     ),

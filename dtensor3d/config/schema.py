@@ -64,6 +64,7 @@ class ModelConfig:
         "olmo3",
         "smollm3",
         "gemma3_text",
+        "phi3",
     ] = knob("llama", "the architecture (README: Model families); its Hugging Face model_type on export")
     head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
     attention_bias: bool = knob(False, "biases on q, k, v and o (llama, qwen3)")

@@ -93,6 +93,8 @@ FAMILIES = {
         ),
         "pre_feedforward_layernorm.weight",
     ),
+    # Phi-3: q/k/v fused into qkv_proj and gate/up into gate_up_proj in the checkpoint; a window on every layer
+    "phi3": ("Phi3Config", dict(sliding_window=12, **NO_TOKENS), "self_attn.qkv_proj.weight"),
     # SmolLM3: layer 1 without RoPE (no_rope_layers), tied embeddings, biases
     "smollm3": (
         "SmolLM3Config",
