@@ -37,6 +37,9 @@ RECIPES = {
     # 26 x (attention 2,949,632 with its per-head q/k norms + GeGLU 23,887,872 + four norms 4,608) + tied
     # embedding 301,989,888 + final norm 1,152: google/gemma-3-1b-pt's 999,885,952
     "gemma3_1b_plan": 999_885_952,
+    # 32 x (attention 37,748,736 + MLP 75,497,472 + norms 6,144) + embedding and head 197,001,216 +
+    # final norm 3,072: the model card's 3.8B
+    "phi3_mini_plan": 3_821_079_552,
 }
 
 
