@@ -90,8 +90,12 @@ def test_balance_loss_is_mixtrals():
 
 
 def test_aux_loss_reaches_the_router_through_the_gradient():
+    """NeMo Automodel #1412 (the aux loss's gradient not reaching the router): the router's
+    gradient from the aux term alone equals autograd's of the formula. The tokens lean towards
+    expert 0: with equal loads (f_e = k / E for all e) the loss is constant and its gradient
+    is zero, so a lost gradient would pass unseen (it did with plain randn tokens: 2e-8)."""
     moe = make_moe(hooks=ModelHooks(aux_loss_scale=0.5))
-    x = torch.randn(2, 6, 16)
+    x = torch.randn(2, 6, 16) + moe.gate.weight[0].detach()
     out = moe(x)
     torch.testing.assert_close(out, make_moe()(x))  # the forward output is unchanged
     (out * 0).sum().backward()  # no gradient from the output: the router's is the aux term's alone
@@ -99,7 +103,7 @@ def test_aux_loss_reaches_the_router_through_the_gradient():
     probs = torch.softmax(x.reshape(-1, 16) @ probe.gate.weight.T, dim=-1)
     f = torch.nn.functional.one_hot(probs.topk(2, dim=-1).indices, 4).float().mean(0).sum(0)
     (0.5 * 4 * (f * probs.mean(0)).sum()).backward()
-    assert probe.gate.weight.grad.abs().max() > 0
+    assert probe.gate.weight.grad.abs().max() > 0.1  # measured 0.20: a gradient to see
     torch.testing.assert_close(moe.gate.weight.grad, probe.gate.weight.grad)
 
 
