@@ -94,6 +94,7 @@ QUICK_FILES = {
     "test_device_switches.py",
     "test_mfu.py",
     "test_documents.py",
+    "test_docs.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {

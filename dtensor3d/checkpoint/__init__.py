@@ -1,5 +1,5 @@
 """Checkpoints: safetensors and JSON only, written atomically, resumable at any mesh, and
-Hugging Face Llama / Mixtral import and export.
+Hugging Face import and export for every model family.
 
     format.py      the bytes: safetensors headers (written tensor by tensor), manifest + sha256, atomic writes
     slices.py      which piece of each tensor a rank holds and writes; reading any region of a tensor

@@ -1,4 +1,5 @@
-"""Single-device models (no distributed code here): Llama and its mixture-of-experts variant.
+"""Single-device models (no distributed code here): the Llama-style decoder every family
+shares, its mixture-of-experts layer and multi-head latent attention.
 
 `llama.py` is the whole dense model, `moe.py` the expert layer and router, `layers.py` the
 shared pieces (attention, RoPE, RMSNorm, the KV cache) and `ModelHooks`, through which the
