@@ -67,7 +67,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_checkpoints(recipe, hashes: bool, lock: bool = True) -> None:
     """checkpoint.dir (writable, not locked by another run), the checkpoint a run would resume
-    from, or its init_from_hf directory (imports torch)."""
+    from, or its init_from_hf directory (imports torch); logging.run_dir not locked by another run."""
+    if lock:  # logging.run_dir: one run at a time writes its metrics.jsonl and loss.svg
+        from .checkpoint.lock import check_run_dir_lock
+
+        check_run_dir_lock(recipe)
     c = recipe.checkpoint
     if c.dir or c.resume not in ("auto", "none") or c.init_from_hf:
         from .checkpoint import check_at_door
@@ -144,11 +148,15 @@ def _train(args) -> None:
     from .datasets.door import check_data_at_door
 
     check_data_at_door(recipe, hashes=False)  # sha256: by validate (launch.sh)
+    if not _env_int("RANK"):  # rank 0, which takes the locks next: a run_dir in use creates no checkpoint.dir
+        from .checkpoint.lock import check_run_dir_lock
+
+        check_run_dir_lock(recipe)
     _check_checkpoints(recipe, hashes=False, lock=False)  # sha256: by the ranks; the lock: next
     from .checkpoint import hold
     from .training.train import train
 
-    with hold(recipe, _env_int("RANK") or 0):  # rank 0 holds checkpoint.dir's lock
+    with hold(recipe, _env_int("RANK") or 0):  # rank 0 holds checkpoint.dir's and logging.run_dir's locks
         train(recipe)
     if os.environ.get("DTENSOR3D_AGENT_PID"):
         _exit_now()

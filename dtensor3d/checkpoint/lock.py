@@ -1,7 +1,9 @@
-"""One run at a time per checkpoint directory: `checkpoint.dir/LOCK` holds the host and pid
-of the run writing there. A second run is refused with one line naming the holder; a lock
-left by a process that is no longer running on this host is taken over with a warning line.
-Only the job's rank 0 holds it, from before the process group starts until it exits.
+"""One run at a time per checkpoint directory and per run directory: `checkpoint.dir/LOCK`
+and `logging.run_dir/LOCK` hold the host and pid of the run writing there. A second run is
+refused with one line naming the holder; a lock left by a process that is no longer running
+on this host is taken over with a warning line. Only the job's rank 0 holds them, from before
+the process group starts until it exits. A run directory reused after its run ended is not
+refused (metrics.py keeps the earlier run's files aside).
 """
 
 from __future__ import annotations
@@ -52,8 +54,13 @@ def is_stale(holder: dict) -> bool:
     return holder["pid"] == os.getpid() or not _alive(holder["pid"])
 
 
-def check_lock(ckpt_dir: str) -> dict | None:
-    """Refuse a checkpoint directory another live run holds; returns a stale holder (or None)."""
+CKPT_KEY, RUN_KEY = "checkpoint.dir", "logging.run_dir"
+WHAT = {CKPT_KEY: "a checkpoint directory", RUN_KEY: "a run directory (metrics.jsonl, loss.svg)"}
+
+
+def check_lock(ckpt_dir: str, key: str = CKPT_KEY) -> dict | None:
+    """Refuse a directory (`key`: the recipe key naming it) another live run holds; returns a
+    stale holder (or None)."""
     path = os.path.join(ckpt_dir, LOCK)
     holder = read_lock(path)
     if holder is None or is_stale(holder):
@@ -62,8 +69,8 @@ def check_lock(ckpt_dir: str) -> dict | None:
         return None  # held by this job's rank 0 (another node, or a node coming back to it)
     who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since {holder.get('since', '?')}"
     raise CheckpointError(
-        f"checkpoint.dir={ckpt_dir!r} is in use by another run ({who}; {path}); one run at a time writes "
-        f"a checkpoint directory: wait for it, use another checkpoint.dir, or delete {path} if that run is gone"
+        f"{key}={ckpt_dir!r} is in use by another run ({who}; {path}); one run at a time writes "
+        f"{WHAT[key]}: wait for it, use another {key}, or delete {path} if that run is gone"
     )
 
 
@@ -86,7 +93,7 @@ def _create(path: str) -> bool:
     return True
 
 
-def acquire(ckpt_dir: str) -> None:
+def acquire(ckpt_dir: str, key: str = CKPT_KEY) -> None:
     """Take the lock of `ckpt_dir` (created if missing), taking over a stale one with a warning."""
     path = os.path.join(ckpt_dir, LOCK)
     try:
@@ -94,7 +101,7 @@ def acquire(ckpt_dir: str) -> None:
         for _ in range(3):
             if _create(path):
                 return
-            stale = check_lock(ckpt_dir)
+            stale = check_lock(ckpt_dir, key)
             if stale is not None:
                 aside = f"{path}.stale-{os.getpid()}"
                 os.replace(path, aside)  # one taker wins the rename; a fresh lock is put back
@@ -103,14 +110,14 @@ def acquire(ckpt_dir: str) -> None:
                     continue
                 os.remove(aside)
                 print(
-                    f"warning: checkpoint.dir={ckpt_dir!r}: took over the lock of pid {stale.get('pid')} on "
+                    f"warning: {key}={ckpt_dir!r}: took over the lock of pid {stale.get('pid')} on "
                     f"{stale.get('host')}, which is no longer running",
                     file=sys.stderr,
                     flush=True,
                 )
     except OSError as e:
-        raise CheckpointError(f"checkpoint.dir={ckpt_dir!r}: cannot create {path} ({e.strerror or e})") from None
-    raise CheckpointError(f"checkpoint.dir={ckpt_dir!r}: could not take {path}; another run is starting there")
+        raise CheckpointError(f"{key}={ckpt_dir!r}: cannot create {path} ({e.strerror or e})") from None
+    raise CheckpointError(f"{key}={ckpt_dir!r}: could not take {path}; another run is starting there")
 
 
 def release(ckpt_dir: str) -> None:
@@ -122,16 +129,34 @@ def release(ckpt_dir: str) -> None:
             os.remove(path)
 
 
+def locked_dirs(recipe) -> list[tuple[str, str]]:
+    """(directory, recipe key) of each lock a run holds: checkpoint.dir when it saves, and
+    logging.run_dir unless it is the same directory."""
+    ckpt_dir, run_dir = recipe.checkpoint.dir, recipe.logging.run_dir
+    dirs = [(ckpt_dir, CKPT_KEY)] if ckpt_dir else []
+    if run_dir and not (ckpt_dir and os.path.realpath(run_dir) == os.path.realpath(ckpt_dir)):
+        dirs.append((run_dir, RUN_KEY))
+    return dirs
+
+
+def check_run_dir_lock(recipe) -> None:
+    """The door's check of logging.run_dir's lock (checkpoint.dir's: resume.check_at_door)."""
+    for folder, key in locked_dirs(recipe):
+        if key == RUN_KEY:
+            check_lock(folder, key)
+
+
 @contextlib.contextmanager
 def hold(recipe, rank: int):
-    """Hold checkpoint.dir's lock for the body when this is the job's rank 0 and the recipe
-    writes checkpoints; otherwise do nothing."""
-    ckpt_dir = recipe.checkpoint.dir
-    if not ckpt_dir or rank != 0:
-        yield
-        return
-    acquire(ckpt_dir)
+    """Hold the locks of checkpoint.dir (when the recipe saves) and logging.run_dir for the
+    body when this is the job's rank 0; otherwise do nothing."""
+    dirs = locked_dirs(recipe) if rank == 0 else []
+    taken = []
     try:
+        for folder, key in dirs:
+            acquire(folder, key)
+            taken.append(folder)
         yield
     finally:
-        release(ckpt_dir)
+        for folder in reversed(taken):
+            release(folder)

@@ -205,7 +205,8 @@ def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 240) -> None:
 
 
 def test_one_run_per_checkpoint_dir(ckpt, tmp_path):
-    """A run holds checkpoint.dir/LOCK; a second run is refused (launch.sh and train); once
+    """A run holds checkpoint.dir/LOCK and logging.run_dir/LOCK; a second run into either is
+    refused (launch.sh and train), naming the holder's host and pid; once
     the holder is killed (SIGKILL: no cleanup) the next run takes the stale lock over with a
     warning line, trains, and releases it at exit."""
     before = tree_digest(ckpt)
@@ -226,6 +227,19 @@ def test_one_run_per_checkpoint_dir(ckpt, tmp_path):
             line = one_error_line(proc)
             assert f"pid {holder.pid}" in line and "in use by another run" in line and str(ckpt) in line, line
         assert not (tmp_path / "second" / "metrics.jsonl").exists()
+        # Issue 43 item 4: another checkpoint.dir but the holder's logging.run_dir is refused too
+        assert json.loads((tmp_path / "first" / "LOCK").read_text())["pid"] == holder.pid
+        shared = [
+            PARITY,
+            "training.steps=3",
+            f"checkpoint.dir={tmp_path / 'ck2'}",
+            f"logging.run_dir={tmp_path / 'first'}",
+        ]
+        for proc in (launch(*shared), dtensor3d("train", *shared)):
+            line = one_error_line(proc)
+            assert f"logging.run_dir='{tmp_path / 'first'}' is in use by another run (pid {holder.pid}" in line, line
+            assert socket.gethostname() in line, line
+        assert not (tmp_path / "ck2").exists() and not (tmp_path / "first" / "metrics.1.jsonl").exists()
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
