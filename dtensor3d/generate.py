@@ -71,6 +71,31 @@ def visible(text: str, end: str) -> tuple[str, bool]:
     return text, False
 
 
+class TextStream:
+    """Incremental decoding for streaming (the tokenizers library's DecodeStream): a piece of
+    text is written only once its characters are whole, so a UTF-8 character whose bytes come
+    in several tokens prints whole, never as U+FFFD; with `end` (generate --chat) a tail that
+    may begin the end-of-turn text is held back and the reply stops before that text."""
+
+    def __init__(self, tok, end: str = "", out=None):
+        from tokenizers.decoders import DecodeStream
+
+        self.tok, self.end, self.out = tok, end, sys.stdout if out is None else out
+        self.decoder, self.text, self.shown = DecodeStream(skip_special_tokens=True), "", ""
+
+    def step(self, token: int) -> bool:
+        """Take one token; True when the end-of-turn text is complete (the turn is over)."""
+        piece = self.decoder.step(self.tok, token)
+        if piece is None:  # an incomplete character (or a skipped special token): wait
+            return False
+        self.text += piece
+        text, over = visible(self.text, self.end)
+        self.out.write(text[len(self.shown) :])
+        self.out.flush()
+        self.shown = text
+        return over
+
+
 def stop_ids(tok, chat: bool) -> set[int]:
     """The end-of-document token (the first of KNOWN_EOS the vocabulary holds); with `chat`
     every one it holds (end-of-turn tokens included)."""
@@ -182,25 +207,22 @@ def run_generate(args) -> None:
     from .checkpoint.hf import model_from, model_source
 
     check_args(args)
+    cfg, files = model_source(args.ckpt, "generate")  # first: a directory with no checkpoint says so
     tokenizer_path = find_tokenizer(args.ckpt, args.tokenizer)
     tok = Tokenizer.from_file(tokenizer_path)
     prompt, end = prompt_ids(tok, tokenizer_path, args.prompt, args.chat)
-    cfg, files = model_source(args.ckpt, "generate")
     check_fit(args, cfg, tok, len(prompt))
     model = model_from(cfg, files)
-    out, shown, start = [], "", time.perf_counter()
+    out, start = [], time.perf_counter()
     sys.stdout.write("" if args.chat else args.prompt)
     stops = stop_ids(tok, args.chat)
     sampling = (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stops)
+    stream = TextStream(tok, end)
     for token in generate_ids(model, prompt, *sampling):
         out.append(token)
-        text, over = visible(tok.decode(out, skip_special_tokens=True), end)
-        if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next byte
-            sys.stdout.write(text[len(shown) :])
-            sys.stdout.flush()
-            shown = text
-        if over:  # the template's end-of-turn text, written as plain tokens
+        if stream.step(token):  # the template's end-of-turn text, written as plain tokens
             break
+    shown = stream.shown
     seconds = time.perf_counter() - start
     text = tok.decode(out, skip_special_tokens=True)
     sys.stdout.write((text[: text.index(end)] if end and end in text else text)[len(shown) :] + "\n")

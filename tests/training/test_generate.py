@@ -13,7 +13,7 @@ from helpers import ROOT
 from dtensor3d.__main__ import main
 from dtensor3d.checkpoint import load_model
 from dtensor3d.datasets.tokenizer import byte_tokenizer
-from dtensor3d.generate import generate_ids, pick, prompt_ids, stop_ids, visible
+from dtensor3d.generate import TextStream, generate_ids, pick, prompt_ids, stop_ids, visible
 from dtensor3d.models.layers import KVCache
 
 transformers = pytest.importorskip("transformers")
@@ -165,3 +165,39 @@ def test_generate_chat_wraps_the_prompt_in_the_template(exported, tmp_path, caps
     assert main([*args, "--max-new-tokens", "16", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == tok.decode(ours, skip_special_tokens=True) + "\n"
     assert len(ours) == 16 or ours[-1] in stops
+
+
+def test_generate_on_an_empty_directory_says_there_is_no_checkpoint(tmp_path):
+    """Issue 43 item 13: an empty directory is "no checkpoint there", not "no tokenizer.json"."""
+    (tmp_path / "empty").mkdir()
+    cmd = [sys.executable, "-m", "dtensor3d", "generate", str(tmp_path / "empty"), "--prompt", "x"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert "holds no complete checkpoint" in lines[0] and "tokenizer" not in lines[0], lines[0]
+
+
+class Writes(list):
+    def write(self, text: str) -> None:
+        self.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_streaming_prints_a_character_split_across_tokens_whole():
+    """Issue 43 item 14: with a byte-level tokenizer each byte of é, €, 😀 is its own token;
+    every piece generate streams holds whole characters (no U+FFFD), and with --chat's
+    end-of-turn text spelled in plain tokens the reply stops before it."""
+    tok = byte_tokenizer()
+    text = "aé€😀b — ünïcödé"
+    writes = Writes()
+    stream = TextStream(tok, "", writes)
+    assert not any(stream.step(b) for b in text.encode())
+    assert "".join(writes) == text and not any("\ufffd" in w for w in writes), writes
+    assert "é" in writes and "€" in writes and "😀" in writes  # each printed once its last byte came
+    writes = Writes()
+    stream = TextStream(tok, "<|im_end|>", writes)
+    over = [stream.step(b) for b in "ok 😀<|im_end|>\nmore".encode()]
+    assert "".join(writes) == "ok 😀" and over.index(True) == len("ok 😀<|im_end|>".encode()) - 1
+    assert not any("\ufffd" in w for w in writes)
