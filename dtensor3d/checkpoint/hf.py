@@ -100,6 +100,11 @@ def _family_fields(cfg, name: str) -> dict:
         out.update({key: getattr(cfg, key) for key in QWEN3_MOE_KEYS})
         out.update(num_experts=cfg.num_local_experts, mlp_only_layers=list(cfg.mlp_only_layers or ()))
         out.update(moe_intermediate_size=cfg.expert_intermediate_size, output_router_logits=False)
+    if name == "glm4_moe":  # DeepSeek-V3's routing keys; no multi-token prediction layers
+        out.update({key: getattr(cfg, key) for key in DEEPSEEK_MOE_KEYS}, use_qk_norm=cfg.use_qk_norm)
+        out.update(n_routed_experts=cfg.num_local_experts, moe_intermediate_size=cfg.expert_intermediate_size)
+        out.update(first_k_dense_replace=_dense_layers(cfg), num_nextn_predict_layers=0, output_router_logits=False)
+        out["num_mtp_layers"] = 0
     if name == "deepseek_v3":  # no multi-token prediction layers
         out.update({key: getattr(cfg, key) for key in (*MLA_DEFAULTS, *DEEPSEEK_MOE_KEYS)})
         out.update(n_routed_experts=cfg.num_local_experts, moe_intermediate_size=cfg.expert_intermediate_size)
@@ -127,6 +132,14 @@ _MOE_FIXED = {
         "moe_intermediate_size": 0,
     },
     "qwen3_moe": _NO_DEEPSEEK,
+    "glm4_moe": {
+        "shared_expert_intermediate_size": 0,
+        "moe_layers": None,
+        "scoring_func": "sigmoid",
+        "correction_bias": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": None,
+    },
     "deepseek_v3": {
         "shared_expert_intermediate_size": 0,
         "moe_layers": None,
@@ -160,6 +173,7 @@ def hf_config(cfg) -> dict:
     if cfg.num_local_experts:
         _refuse_export(cfg, name)
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    rope |= {"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1.0 else {}
     layer_rope = FAMILIES[name].layer_rope
     return {
         "architectures": [FAMILIES[name].architecture],

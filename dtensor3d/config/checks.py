@@ -45,15 +45,25 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
 def _validate_family(recipe: Recipe) -> None:
     """What a family turns on, its RoPE scaling and its sliding window (config/families.py)."""
     m = recipe.model
-    if FAMILIES[m.family].experts != bool(m.num_local_experts) and m.family not in ("llama", "deepseek_v3"):
+    if FAMILIES[m.family].experts != bool(m.num_local_experts) and m.family not in ("llama", "deepseek_v3", "glm4_moe"):
         raise RecipeError(
             f"model.family={m.family!r} with num_local_experts={m.num_local_experts}: experts come with "
             f"family 'mixtral' (or 'llama' or 'deepseek_v3' with num_local_experts > 0), none with the others"
         )
     if m.mla:
         validate_mla(m, recipe.parallelism)
+    if m.use_qk_norm and not FAMILIES[m.family].qk_norm_key:
+        with_it = ", ".join(name for name, f in FAMILIES.items() if f.qk_norm_key)
+        raise RecipeError(
+            f"model.use_qk_norm=true: family {m.family!r} has no such switch; families with it: {with_it}"
+        )
     if m.head_dim <= 0 or m.head_dim % 2:
         raise RecipeError(f"model.head_dim={m.head_dim} must be a positive even number (RoPE rotates pairs)")
+    if not 0 < m.partial_rotary_factor <= 1 or m.rotary_dim % 2:
+        raise RecipeError(
+            f"model.partial_rotary_factor={m.partial_rotary_factor}: must be in (0, 1] and give an even number of "
+            f"rotated dims (head_dim {m.head_dim} x it = {m.head_dim * m.partial_rotary_factor:g})"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if getattr(m, key) and key not in FAMILIES[m.family].biases:
             with_it = ", ".join(name for name, f in FAMILIES.items() if key in f.biases)

@@ -27,6 +27,8 @@ class Family:
     sandwich_norms: bool = False  # norms before and after attention and the MLP (Gemma 3)
     norm_offset: bool = False  # RMSNorm scales by 1 + weight (Gemma)
     embed_scale: bool = False  # the embedding times sqrt(hidden_size) (Gemma)
+    o_bias: bool = True  # attention_bias covers o_proj too (not GLM-4.5's: q/k/v only)
+    qk_norm_key: bool = False  # config.json's use_qk_norm turns the per-head q/k norm on (GLM-4.5)
     fused: bool = False  # the checkpoint fuses q/k/v into qkv_proj and gate/up into gate_up_proj (Phi-3)
 
 
@@ -56,6 +58,16 @@ FAMILIES = {
         sandwich_norms=True,
         norm_offset=True,
         embed_scale=True,
+    ),
+    "glm4_moe": Family(
+        "glm4_moe",
+        "Glm4MoeForCausalLM",
+        experts=True,
+        biases=("attention_bias",),
+        hf_moe="mlp",
+        correction_bias=True,
+        o_bias=False,
+        qk_norm_key=True,
     ),
     "phi3": Family("phi3", "Phi3ForCausalLM", fused=True),
     "smollm3": Family(

@@ -59,7 +59,7 @@ def _moe_values(hf: dict, kind: str) -> dict:
     """The mixture-of-experts fields of a Mixtral, Qwen3-MoE or DeepSeek-V3 config.json."""
     if kind == "mixtral":
         return {key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()}
-    if kind == "deepseek_v3":  # sigmoid scores with the correction bias; no aux loss in transformers
+    if kind in ("deepseek_v3", "glm4_moe"):  # sigmoid scores with the correction bias; no aux loss in transformers
         values = {key: hf.get(key, default) for key, default in DEEPSEEK_MOE_DEFAULTS.items()}
         values.update(num_local_experts=hf.get("n_routed_experts", 256), scoring_func="sigmoid")
         values.update(moe_intermediate_size=hf.get("moe_intermediate_size", 2048), router_aux_loss_coef=0.0)
@@ -111,10 +111,9 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None, dict | None
 
 
 def _one_rope(params: dict, theta: float, where: str, key: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) of one rope_parameters dict."""
+    """(rope_theta, rope_scaling) of one rope_parameters dict (its partial_rotary_factor is read apart)."""
     theta = params.pop("rope_theta", theta)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{where}: {key}: partial_rotary_factor: only 1.0 (RoPE on the whole head) is supported")
+    params.pop("partial_rotary_factor", None)
     if "type" in params:  # transformers 4's spelling of rope_type
         params.setdefault("rope_type", params.pop("type"))
     if params.get("rope_type", "default") == "default":
@@ -165,6 +164,10 @@ def hf_model_values(hf: dict, where: str) -> dict:
         # Multi-token prediction layers (num_nextn_predict_layers) are ignored, as transformers does.
         values.update({key: hf.get(key, default) for key, default in MLA_DEFAULTS.items()})
         values["num_key_value_heads"], head_dim = values["num_attention_heads"], values["qk_rope_head_dim"]
+    rope_params = hf.get("rope_parameters") or {}
+    partial = rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    values.update({"partial_rotary_factor": partial} if partial != 1.0 else {})
+    values.update({"use_qk_norm": bool(hf.get("use_qk_norm", False))} if family.qk_norm_key else {})
     values["rope_theta"], values["rope_scaling"], sliding_rope = _rope_from_hf(hf, where)
     values.update({"sliding_rope": sliding_rope} if sliding_rope else {})
     values.update(

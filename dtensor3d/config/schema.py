@@ -65,6 +65,7 @@ class ModelConfig:
         "smollm3",
         "gemma3_text",
         "phi3",
+        "glm4_moe",
     ] = knob("llama", "the architecture (README: Model families); its Hugging Face model_type on export")
     head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
     attention_bias: bool = knob(False, "biases on q, k, v and o (llama, qwen3)")
@@ -81,6 +82,8 @@ class ModelConfig:
     sliding_rope: dict | None = knob(
         None, "RoPE of the sliding_attention layers: rope_theta and a rope_type's keys (OLMo 3); null: as the others"
     )
+    partial_rotary_factor: float = knob(1.0, "RoPE on this fraction of each head's dims, the first ones (GLM-4.5)")
+    use_qk_norm: bool = knob(False, "per-head q/k RMSNorm where the family makes it a choice (glm4_moe)")
     nope_layers: tuple[int, ...] | None = knob(None, "layers without RoPE (SmolLM3's NoPE layers); null: none")
     hidden_act: Literal["silu", "gelu_pytorch_tanh"] = knob(
         "silu", "the feed-forward's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma 3)"
@@ -141,7 +144,17 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return FAMILIES[self.family].qk_norm
+        return FAMILIES[self.family].qk_norm or self.use_qk_norm
+
+    @property
+    def o_bias(self) -> bool:
+        """A bias on o_proj: attention_bias, where the family's covers o_proj too."""
+        return self.attention_bias and FAMILIES[self.family].o_bias
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dims RoPE rotates (partial_rotary_factor of head_dim)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def qk_norm_whole(self) -> bool:

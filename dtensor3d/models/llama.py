@@ -23,6 +23,13 @@ from .moe import MoE
 from .rope import apply_rope, inv_freq, rope_tables
 
 
+def _rope_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
+    """RoPE on x's first `dims` head dims; the rest pass through (partial rotary)."""
+    if dims == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :dims], cos, sin), x[..., dims:]], dim=-1)
+
+
 def _norm(cfg, dim: int) -> RMSNorm:
     """An RMSNorm of the config's kind: x·w, or x·(1+w) (Gemma 3: norm_offset)."""
     return RMSNorm(dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
@@ -38,11 +45,13 @@ class Attention(nn.Module):
         self.head_dim, self.sequence = hd, hooks.sequence
         self.window = cfg.layer_window(index)  # sliding-window attention in this layer, or None
         self.rope = cfg.layer_rope(index)  # False: a NoPE layer (SmolLM3)
-        self.freqs, self.rope_scale = inv_freq(cfg.rope_of(index))  # a plain tensor: no buffer to shard or save
+        # a plain tensor: no buffer to shard or save; over the first rotary_dim dims (GLM-4.5: part of each head)
+        self.freqs, self.rope_scale = inv_freq(cfg.rope_of(index), cfg.rotary_dim)
+        self.rotary_dim = cfg.rotary_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # per head (Qwen3), or over the whole projection (OLMo 2)
             whole = cfg.qk_norm_whole
             self.q_norm = _norm(cfg, cfg.num_attention_heads * hd if whole else hd)
@@ -76,7 +85,7 @@ class Attention(nn.Module):
             positions = self.sequence.positions(q.shape[2], q.device)
         if self.rope:
             cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
-            q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+            q, k = (_rope_part(t, cos.to(t.dtype), sin.to(t.dtype), self.rotary_dim) for t in (q, k))
         if self.q_scale != 1.0:
             q = q * self.q_scale
         if cache is None:

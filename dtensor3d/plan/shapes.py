@@ -24,7 +24,7 @@ def _attention_shapes(cfg) -> dict[str, tuple[int, ...]]:
         if cfg.qkv_bias:
             out[f"{name}.bias"] = shape[:1]
     out["o_proj.weight"] = (h, q)
-    if cfg.attention_bias:
+    if cfg.o_bias:
         out["o_proj.bias"] = (h,)
     if cfg.qk_norm:
         out |= {"q_norm.weight": (q,), "k_norm.weight": (kv,)} if cfg.qk_norm_whole else {}
@@ -157,7 +157,7 @@ def flops_per_token(cfg, seq_len: int) -> float:
         ffn_total = n_moe * moe + (L - n_moe) * ffn
     else:
         ffn_total = L * ffn
-    biases = (q + 2 * kv) * cfg.qkv_bias + h * cfg.attention_bias
+    biases = (q + 2 * kv) * cfg.qkv_bias + h * (cfg.o_bias if not cfg.mla else cfg.attention_bias)
     attention, scores = h * q * 2 + h * kv * 2 + biases, 2 * q  # per layer: projections; q.k and p.v widths
     if cfg.mla:  # the projections' matrices and biases (norms excluded, as above); q.k over qk, p.v over v
         attention = sum(math.prod(s) for n, s in _mla_shapes(cfg).items() if "norm" not in n)

@@ -95,6 +95,28 @@ FAMILIES = {
     ),
     # Phi-3: q/k/v fused into qkv_proj and gate/up into gate_up_proj in the checkpoint; a window on every layer
     "phi3": ("Phi3Config", dict(sliding_window=12, **NO_TOKENS), "self_attn.qkv_proj.weight"),
+    # GLM-4.5: RoPE on half of each head (partial_rotary_factor), q/k/v biases without o's, per-head
+    # q/k norms (use_qk_norm), DeepSeek-V3's routing (sigmoid, correction bias, top-3 of 8 in 2 of 4
+    # groups, scaling 2.5, 2 shared experts), layer 0 dense
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            head_dim=24,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            **NO_TOKENS,
+        ),
+        "mlp.shared_experts.gate_proj.weight",
+    ),
     # SmolLM3: layer 1 without RoPE (no_rope_layers), tied embeddings, biases
     "smollm3": (
         "SmolLM3Config",
