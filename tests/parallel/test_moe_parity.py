@@ -16,12 +16,19 @@ MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
 
 # ep 2 with every other option (dp_mode, cp, tp modes, pp schedules, a shared expert,
 # moe_layers, bf16, compile) is the combination matrix's (tests/parallel/test_matrix.py).
-# Here: what its table leaves out, ep 4 and ep 2 in four dimensions (16 ranks).
+# Here: what its table leaves out, ep 4 and ep 2 in four dimensions (16 ranks), and the
+# schedules with two stages per rank in fp32 at 2 ranks (the table's are rotating runs).
 CONFIGS = {
     "ep4": ["parallelism.expert_parallel_size=4"],
     "ep2_pp2_dp2_tp2": [
         *("parallelism.ep=2", "parallelism.pp=2", "parallelism.dp=2", "parallelism.tp=2"),
         "training.micro_batch_size=1",  # two microbatches per dp x ep rank for pp 2
+    ],
+    # Two stages per rank (torchtitan #2061: its aux loss was right under 1f1b only, broken
+    # under zbv and interleaved 1f1b): each rank's second stage backpropagates its aux term too.
+    "pp2_zbv": ["parallelism.pp=2", "parallelism.pp_engine=zbv"],
+    "pp2_interleaved": [
+        *("parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b", "parallelism.pp_virtual_stages=2"),
     ],
 }
 
