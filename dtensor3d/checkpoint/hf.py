@@ -12,11 +12,9 @@ import json
 import math
 import os
 import shutil
-import tempfile
 
 import torch
 
-from ..config.families import FAMILIES
 from ..config.hf_config import hf_model_values, read_config_json
 from ..config.load import recipe_from_dict
 from ..config.schema import ModelConfig, Recipe
@@ -26,19 +24,16 @@ from ..models.llama import LlamaForCausalLM
 from .check import check_checkpoint, expected_shapes, model_config
 from .find import resolve
 from .format import STATE, check_tensors, publish, read_header, read_json, save_tensors, seal, step_name, write_atomic
+from .hf_fields import hf_config
 from .hf_names import (
-    DEEPSEEK_MOE_KEYS,
     HF_INDEX,
     HF_SINGLE,
-    LLAMA_KEYS,
-    MIXTRAL_DEFAULTS,
-    MLA_DEFAULTS,
     PICKLE_SUFFIXES,
-    QWEN3_MOE_KEYS,
     HFSlices,
     hf_shapes,
     to_hf_lazy,
 )
+from .outdir import check_out, mark, swap_in
 from .slices import SliceReader, read_into_
 
 # ---------------------------------------------------------------- config.json
@@ -51,143 +46,6 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
         return recipe_from_dict({"model": values}).model
     except RecipeError as e:
         raise CheckpointError(f"{where}: {e}") from None
-
-
-# The fields of a config.json that are fixed for every model we write.
-_COMMON = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
-
-
-_TOKEN_DEFAULTS = {
-    "smollm3": {"pad_token_id": 128004, "bos_token_id": 128000, "eos_token_id": 128001},
-    "phi3": {"pad_token_id": 32000, "bos_token_id": 1, "eos_token_id": 32000},
-}
-
-
-def _family_fields(cfg, name: str) -> dict:
-    """What the family's own config class holds beyond Llama's common keys."""
-    family, layers = FAMILIES[name], cfg.num_hidden_layers
-    out = {key: getattr(cfg, key) for key in family.biases}
-    if family.window_switch:
-        types = [("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)]
-        first = types.index("sliding_attention") if cfg.sliding_window is not None else layers
-        out.update(use_sliding_window=first < layers, sliding_window=cfg.sliding_window, max_window_layers=first)
-        out["layer_types"] = types
-    elif name in ("mistral", "mixtral", "phi3"):  # one window on every layer
-        if len({cfg.layer_window(i) for i in range(layers)}) > 1:
-            raise CheckpointError(
-                f"model.layer_types={list(cfg.layer_types)}: {family.architecture} windows every layer alike; "
-                "export a model whose layer_types is null"
-            )
-        out["sliding_window"] = cfg.sliding_window
-    if family.sandwich_norms:  # Gemma 3: its activation's key and the attention scale
-        out.update(hidden_activation=cfg.hidden_act, hidden_act=cfg.hidden_act)
-        out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim)
-        out.update(final_logit_softcapping=None, attn_logit_softcapping=None)
-    if family.layer_rope:  # OLMo 3, Gemma 3: the window on the sliding layers
-        out["sliding_window"] = cfg.sliding_window
-        out["layer_types"] = [
-            ("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)
-        ]
-    if family.nope:  # SmolLM3
-        out["no_rope_layers"] = [int(cfg.layer_rope(i)) for i in range(layers)]
-    # the class's special-token defaults where the vocabulary holds them (else its embedding refuses)
-    tokens = _TOKEN_DEFAULTS.get(name, {})
-    out.update({key: (t if t < cfg.vocab_size else None) for key, t in tokens.items()})
-    if name == "mixtral":
-        out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
-        out.update(router_jitter_noise=0.0, output_router_logits=False)
-    if name == "qwen3_moe":
-        out.update({key: getattr(cfg, key) for key in QWEN3_MOE_KEYS})
-        out.update(num_experts=cfg.num_local_experts, mlp_only_layers=list(cfg.mlp_only_layers or ()))
-        out.update(moe_intermediate_size=cfg.expert_intermediate_size, output_router_logits=False)
-    if name == "glm4_moe":  # DeepSeek-V3's routing keys; no multi-token prediction layers
-        out.update({key: getattr(cfg, key) for key in DEEPSEEK_MOE_KEYS}, use_qk_norm=cfg.use_qk_norm)
-        out.update(n_routed_experts=cfg.num_local_experts, moe_intermediate_size=cfg.expert_intermediate_size)
-        out.update(first_k_dense_replace=_dense_layers(cfg), num_nextn_predict_layers=0, output_router_logits=False)
-        out["num_mtp_layers"] = 0
-    if name == "deepseek_v3":  # no multi-token prediction layers
-        out.update({key: getattr(cfg, key) for key in (*MLA_DEFAULTS, *DEEPSEEK_MOE_KEYS)})
-        out.update(n_routed_experts=cfg.num_local_experts, moe_intermediate_size=cfg.expert_intermediate_size)
-        out.update(first_k_dense_replace=_dense_layers(cfg), num_nextn_predict_layers=0, output_router_logits=False)
-    return out
-
-
-# What each exported MoE family's transformers class cannot hold: (setting, value it must have).
-_NO_DEEPSEEK = {
-    "shared_expert_intermediate_size": 0,
-    "n_shared_experts": 0,
-    "moe_layers": None,
-    "scoring_func": "softmax",
-    "n_group": 1,
-    "routed_scaling_factor": 1.0,
-    "router_bias_update_rate": 0.0,  # balancing gives the router a correction bias
-    "first_k_dense_replace": 0,
-}
-_MOE_FIXED = {
-    "mixtral": {
-        **_NO_DEEPSEEK,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": None,
-        "moe_intermediate_size": 0,
-    },
-    "qwen3_moe": _NO_DEEPSEEK,
-    "glm4_moe": {
-        "shared_expert_intermediate_size": 0,
-        "moe_layers": None,
-        "scoring_func": "sigmoid",
-        "correction_bias": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": None,
-    },
-    "deepseek_v3": {
-        "shared_expert_intermediate_size": 0,
-        "moe_layers": None,
-        "scoring_func": "sigmoid",
-        "correction_bias": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": None,
-    },
-}
-
-
-def _dense_layers(cfg) -> int:
-    """DeepSeek-V3's first_k_dense_replace: every layer when the model has no experts."""
-    return cfg.first_k_dense_replace if cfg.num_local_experts else cfg.num_hidden_layers
-
-
-def _refuse_export(cfg, name: str) -> None:
-    """One line when the model has a switch the family's transformers class lacks."""
-    for key, value in _MOE_FIXED.get(name, {}).items():
-        have = getattr(cfg, key)
-        if have != value and not (key == "mlp_only_layers" and not have):
-            raise CheckpointError(
-                f"model.{key}={have!r}: transformers' {FAMILIES[name].architecture} has no such setting "
-                f"(it needs {value!r}); this model does not export to Hugging Face as {name}"
-            )
-
-
-def hf_config(cfg) -> dict:
-    """config.json for transformers' model class of the family (Mixtral's for a llama with experts)."""
-    name = cfg.family if FAMILIES[cfg.family].experts or not cfg.num_local_experts else "mixtral"
-    if cfg.num_local_experts:
-        _refuse_export(cfg, name)
-    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-    rope |= {"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1.0 else {}
-    layer_rope = FAMILIES[name].layer_rope
-    return {
-        "architectures": [FAMILIES[name].architecture],
-        "model_type": FAMILIES[name].model_type,
-        **{key: getattr(cfg, key) for key in LLAMA_KEYS},
-        "head_dim": cfg.head_dim,
-        **_COMMON,
-        "hidden_act": cfg.hidden_act,
-        **_family_fields(cfg, name),
-        "rope_parameters": {"full_attention": rope, "sliding_attention": cfg.sliding_rope or rope}
-        if layer_rope
-        else rope,
-        "torch_dtype": "float32",
-    }
 
 
 def read_hf_config(hf_dir: str, what: str) -> ModelConfig:
@@ -297,24 +155,6 @@ def model_from(cfg: ModelConfig, files: SliceReader, dtype: torch.dtype = torch.
 # ---------------------------------------------------------------- export-hf, import-hf
 
 
-def _new_dir(out: str) -> None:
-    """Refuse to write into an existing, non-empty directory (nothing is overwritten), or
-    where this process cannot write (OUT, or the nearest directory above it that exists)."""
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise CheckpointError(f"OUT={out!r} exists and is not empty; nothing was written; give a new directory")
-    where = os.path.abspath(out)
-    while not os.path.isdir(where):
-        where = os.path.dirname(where)
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=where)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(
-            f"OUT={out!r}: cannot write {where} ({e.strerror or e}); nothing was written; give a writable directory"
-        ) from None
-
-
 @contextlib.contextmanager
 def _writing(out: str, tmp: str):
     """Turn a failing write under OUT into one line naming it; the partial `tmp` is removed."""
@@ -363,13 +203,14 @@ def _write_hf(source: SliceReader, tmp: str, shards: list[list[str]], family: st
     return files
 
 
-def export_hf(ckpt: str, out: str, max_shard_bytes: float = 5_000_000_000) -> list[str]:
-    """Write config.json and model.safetensors (or shards + index) for transformers."""
+def export_hf(ckpt: str, out: str, max_shard_bytes: float = 5_000_000_000, overwrite: bool = False) -> list[str]:
+    """Write config.json and model.safetensors (or shards + index) for transformers; OUT new
+    or empty, or with `overwrite` a directory export-hf wrote (outdir.py)."""
     if not max_shard_bytes > 0 or max_shard_bytes == float("inf"):
         raise RecipeError(f"--max-shard-mb={max_shard_bytes / 1e6:g}: must be a positive number of megabytes")
     cfg, source = model_source(ckpt, "CKPT")
     config = hf_config(cfg)
-    _new_dir(out)
+    check_out(out, "export-hf", overwrite)
     tmp = f"{out.rstrip(os.sep)}.tmp-export"
     with _writing(out, tmp):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -377,9 +218,8 @@ def export_hf(ckpt: str, out: str, max_shard_bytes: float = 5_000_000_000) -> li
         files = _write_hf(source, tmp, _shard_names(source, int(max_shard_bytes)), config["model_type"])
         write_atomic(os.path.join(tmp, "config.json"), json.dumps(config, indent=1))
         files += _export_tokenizer(source, tmp, cfg)
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.rename(tmp, out)
+        mark(tmp, "export-hf")
+        swap_in(tmp, out)
     return files
 
 
@@ -410,20 +250,28 @@ def _copy_tokenizer_files(hf_dir: str, step_tmp: str) -> None:
         template_into_config(os.path.join(hf_dir, CHAT_TEMPLATE), step_tmp)
 
 
-def import_hf(hf_dir: str, out: str) -> str:
+def import_hf(hf_dir: str, out: str, overwrite: bool = False) -> str:
     """A Hugging Face Llama directory as a dtensor3d checkpoint directory (step 0, no
-    optimizer state); returns its step directory."""
+    optimizer state); returns its step directory. OUT new or empty, or with `overwrite` a
+    directory import-hf wrote, replaced once the new one is complete (outdir.py)."""
     cfg = read_hf_config(hf_dir, "DIR")
     index = hf_index(hf_dir, cfg)
-    _new_dir(out)
+    replacing = check_out(out, "import-hf", overwrite)
+    target = f"{out.rstrip(os.sep)}.tmp-import" if replacing else out
+    if replacing:
+        shutil.rmtree(target, ignore_errors=True)
     name = step_name(0)
-    tmp = os.path.join(out, f".tmp-{name}")
-    created = not os.path.exists(out)
-    with _writing(out, out if created else tmp):
+    tmp = os.path.join(target, f".tmp-{name}")
+    created = not os.path.exists(target)
+    with _writing(out, target if created else tmp):
         os.makedirs(tmp)
         source = HFSlices(hf_dir, index, cfg.family)
         tensors = {n: (source.dtype(n), source.shape(n), lambda n=n: source.get(n)) for n in expected_shapes(cfg)}
         save_tensors(tensors, os.path.join(tmp, "model-stage00.safetensors"))
         _copy_tokenizer_files(hf_dir, tmp)
         seal(tmp, {"step": 0, "source": os.path.abspath(hf_dir), "recipe": Recipe(model=cfg).to_dict()})
-        return publish(out, tmp, name)
+        step_dir = publish(target, tmp, name)
+        mark(target, "import-hf")
+        if replacing:
+            swap_in(target, out)
+        return os.path.join(out, os.path.basename(step_dir))
