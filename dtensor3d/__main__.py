@@ -50,9 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("ckpt", help="a step directory, or a checkpoint directory (its newest)")
     export.add_argument("out", help="a new directory")
     export.add_argument("--max-shard-mb", type=float, default=5000.0, help="split model.safetensors above this")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if export-hf wrote it")
     imp = sub.add_parser("import-hf", help="turn a Hugging Face Llama directory into a checkpoint")
     imp.add_argument("hf_dir", help="a directory with config.json and model.safetensors (or shards + index)")
     imp.add_argument("out", help="a new checkpoint directory")
+    imp.add_argument("--overwrite", action="store_true", help="replace OUT if import-hf wrote it")
     conv = sub.add_parser("convert-nanotron", help="print the recipe YAML a nanotron config maps to")
     conv.add_argument("recipe", help="a nanotron YAML config")
     conv.add_argument("overrides", nargs="*", help="key.path=value, nanotron or recipe spelling")
@@ -176,7 +178,7 @@ def _exit_now() -> None:
 def _export_hf(args) -> None:
     from .checkpoint import export_hf
 
-    files = export_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_mb * 1e6)
+    files = export_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_mb * 1e6, overwrite=args.overwrite)
     print(f"wrote {args.out}: config.json, {', '.join(files)}")
 
 
@@ -193,7 +195,7 @@ def _convert_nanotron(args) -> None:
 def _import_hf(args) -> None:
     from .checkpoint import import_hf
 
-    print(f"wrote {import_hf(args.hf_dir, args.out)}")
+    print(f"wrote {import_hf(args.hf_dir, args.out, overwrite=args.overwrite)}")
 
 
 def _generate(args) -> None:
