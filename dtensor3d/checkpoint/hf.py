@@ -15,6 +15,7 @@ import shutil
 
 import torch
 
+from ..config.families import FAMILIES
 from ..config.hf_config import hf_model_values, read_config_json
 from ..config.load import recipe_from_dict
 from ..config.schema import ModelConfig, Recipe
@@ -92,10 +93,14 @@ def hf_index(hf_dir: str, cfg) -> dict[str, str]:
 
 
 def _prediction_layer(name: str, cfg) -> bool:
-    """DeepSeek-V3's multi-token prediction layers (model.layers.N.* for N >= num_hidden_layers),
-    which transformers' DeepseekV3ForCausalLM does not load either."""
+    """DeepSeek-V3's and GLM-4.5's multi-token prediction layers (model.layers.N.* for N >=
+    num_hidden_layers), which their transformers classes do not load either."""
     parts = name.split(".")
-    return cfg.mla and parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.num_hidden_layers
+    return (
+        FAMILIES[cfg.family].prediction_layers
+        and parts[:2] == ["model", "layers"]
+        and int(parts[2]) >= cfg.num_hidden_layers
+    )
 
 
 def _same(a, b) -> bool:

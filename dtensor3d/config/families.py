@@ -29,6 +29,7 @@ class Family:
     embed_scale: bool = False  # the embedding times sqrt(hidden_size) (Gemma)
     o_bias: bool = True  # attention_bias covers o_proj too (not GLM-4.5's: q/k/v only)
     qk_norm_key: bool = False  # config.json's use_qk_norm turns the per-head q/k norm on (GLM-4.5)
+    prediction_layers: bool = False  # the checkpoint may hold multi-token prediction layers past the last, unread
     fused: bool = False  # the checkpoint fuses q/k/v into qkv_proj and gate/up into gate_up_proj (Phi-3)
 
 
@@ -68,6 +69,7 @@ FAMILIES = {
         correction_bias=True,
         o_bias=False,
         qk_norm_key=True,
+        prediction_layers=True,
     ),
     "phi3": Family("phi3", "Phi3ForCausalLM", fused=True),
     "smollm3": Family(
@@ -82,6 +84,7 @@ FAMILIES = {
         mla=True,
         hf_moe="mlp",
         correction_bias=True,
+        prediction_layers=True,
     ),
     "qwen3_moe": Family(
         "qwen3_moe",
