@@ -59,6 +59,12 @@ def _validate_family(recipe: Recipe) -> None:
         )
     if m.head_dim <= 0 or m.head_dim % 2:
         raise RecipeError(f"model.head_dim={m.head_dim} must be a positive even number (RoPE rotates pairs)")
+    if m.partial_rotary_factor != 1.0 and not FAMILIES[m.family].partial_rotary:
+        with_it = ", ".join(name for name, f in FAMILIES.items() if f.partial_rotary)
+        raise RecipeError(
+            f"model.partial_rotary_factor={m.partial_rotary_factor}: family {m.family!r} rotates whole heads; "
+            f"families with it: {with_it}"
+        )
     if not 0 < m.partial_rotary_factor <= 1 or m.rotary_dim % 2:
         raise RecipeError(
             f"model.partial_rotary_factor={m.partial_rotary_factor}: must be in (0, 1] and give an even number of "

@@ -28,6 +28,7 @@ class Family:
     norm_offset: bool = False  # RMSNorm scales by 1 + weight (Gemma)
     embed_scale: bool = False  # the embedding times sqrt(hidden_size) (Gemma)
     o_bias: bool = True  # attention_bias covers o_proj too (not GLM-4.5's: q/k/v only)
+    partial_rotary: bool = False  # RoPE may cover part of each head: partial_rotary_factor (GLM-4.5)
     qk_norm_key: bool = False  # config.json's use_qk_norm turns the per-head q/k norm on (GLM-4.5)
     prediction_layers: bool = False  # the checkpoint may hold multi-token prediction layers past the last, unread
     fused: bool = False  # the checkpoint fuses q/k/v into qkv_proj and gate/up into gate_up_proj (Phi-3)
@@ -68,6 +69,7 @@ FAMILIES = {
         hf_moe="mlp",
         correction_bias=True,
         o_bias=False,
+        partial_rotary=True,
         qk_norm_key=True,
         prediction_layers=True,
     ),

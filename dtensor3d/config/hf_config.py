@@ -166,6 +166,8 @@ def hf_model_values(hf: dict, where: str) -> dict:
         values["num_key_value_heads"], head_dim = values["num_attention_heads"], values["qk_rope_head_dim"]
     rope_params = hf.get("rope_parameters") or {}
     partial = rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and not family.partial_rotary:
+        raise CheckpointError(f"{where}: partial_rotary_factor={partial}: only 1.0 (RoPE on the whole head) for {kind}")
     values.update({"partial_rotary_factor": partial} if partial != 1.0 else {})
     values.update({"use_qk_norm": bool(hf.get("use_qk_norm", False))} if family.qk_norm_key else {})
     values["rope_theta"], values["rope_scaling"], sliding_rope = _rope_from_hf(hf, where)

@@ -135,6 +135,11 @@ CASES = [
         edit={"model.family": "smollm3", "model.nope_layers": [4]},
     ),
     Case(
+        "partial-rotary-llama",
+        ("model.partial_rotary_factor=0.5", "'llama'", "glm4_moe"),
+        edit={"model.partial_rotary_factor": 0.5},
+    ),
+    Case(
         "gemma3-sequence-parallel",
         ("parallelism.tp_mode=REDUCE_SCATTER", "'gemma3_text'", "ALL_REDUCE"),
         edit={"model.family": "gemma3_text", "parallelism.tp": 2, "parallelism.tp_mode": "REDUCE_SCATTER"},
