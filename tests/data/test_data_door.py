@@ -310,3 +310,45 @@ def test_every_prepared_file_is_hashed_and_an_older_directory_is_one_warning(pre
     assert main(["validate", *args]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "train_docs.bin" in warnings[0] and "tokenizer.json" in warnings[0], warnings
+
+
+def test_validate_names_a_changed_offsets_or_mask_file_of_a_real_prepare_data(tmp_path):
+    """Issue 43 item 3, as a user runs it: prepare-data --chat (shards, offsets, masks, the
+    template), then one flipped bit in the offsets file or in a loss mask: `python -m dtensor3d
+    validate` prints one error line naming the file; an offset moved below the one before it is
+    named as corrupt offsets; the untouched directory validates."""
+    from helpers import CHATML
+
+    (tmp_path / "in").mkdir()
+    turns = [
+        [{"role": "user", "content": f"q{i} " * 9}, {"role": "assistant", "content": f"a{i} " * 9}] for i in range(40)
+    ]
+    rows = [{"messages": t} for t in turns]
+    (tmp_path / "in" / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "t.jinja").write_text(CHATML)
+    out = tmp_path / "data"
+    prep = [sys.executable, "-m", "dtensor3d", "prepare-data", str(tmp_path / "in"), "--out", str(out), "--chat"]
+    prep += [
+        "--chat-template",
+        str(tmp_path / "t.jinja"),
+        "--tokenizer",
+        "byte",
+        "--val-fraction",
+        "0",
+        "--no-progress",
+    ]
+    assert run(*prep).returncode == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"]["docs_sha256"] and meta["splits"]["train"]["shards"][0]["mask_sha256"]
+    validate = [sys.executable, "-m", "dtensor3d", "validate", PARITY, "data.kind=tokens", VOCAB, NO_EVAL]
+    assert run(*validate, f"data.path={out}").returncode == 0
+    for name, at, needle in [
+        ("train_docs.bin", 8 * 7, "sha256 differs"),  # offset 7's low bit: still increasing
+        ("train_00000.mask", 100, "sha256 differs"),
+        ("train_docs.bin", 8 * 7 + 6, "corrupt document offsets (offset 8 "),  # a high byte: 7 above 8
+    ]:
+        broken = tmp_path / f"broken_{at}_{name}"
+        shutil.copytree(out, broken)
+        _flip_byte(broken / name, at)
+        line = one_error_line(run(*validate, f"data.path={broken}"))
+        assert needle in line and str(broken / name) in line, line
