@@ -28,11 +28,13 @@ from helpers import (
     SAVES_AT_3_AND_6,
     SAVES_AT_5_AND_10,
     TINY_HF_LLAMA,
+    assert_parity,
     clean_env,
     cli,
     cli_process,
     one_error_line,
     scheduled_lr,
+    scheduled_lrs,
     short,
     train_metrics,
     tree_digest,
@@ -205,6 +207,22 @@ def test_qwen2_biases_resume_on_another_mesh(shared_run, tmp_path):
     assert_close_run(got, records[3:])
 
 
+def test_uneven_vocabulary_shards_resume_exactly(reference, shared_run, tmp_path):
+    """torchtitan #1136 (the loss after a resume differs when the vocabulary does not divide by
+    the world): vocabulary 255 at dp 2, FSDP2 cuts the embedding and the head into 128 + 127
+    rows; the run matches the 1-process run, and resumed at step 3 on the same mesh its steps
+    4-6 are the uninterrupted run's, bitwise."""
+    overrides = short(["model.vocab_size=255", "parallelism.dp=2"])
+    records, root = shared_run(2, overrides + SAVES_AT_3_AND_6)
+    assert_parity(records, reference(overrides), scheduled_lrs(PARITY, overrides))
+    step = root / "ck" / "step_00000003"
+    index = json.loads((step / "state.json").read_text())["tensors"]
+    for kind, name in (("model", "model.embed_tokens.weight"), ("optim", "model.embed_tokens.weight.exp_avg")):
+        assert sorted(s["offset"][0] for s in index[kind][name]["slices"]) == [0, 128], (name, index[kind][name])
+    resumed = train_metrics(tmp_path, 2, overrides + [f"checkpoint.resume={step}"])
+    assert_bitwise_run(resumed, records[3:])
+
+
 # ---------------------------------------------------------------- atomicity, finding the newest
 
 
@@ -294,7 +312,7 @@ def test_pickle_payload_is_never_executed(run_one, tmp_path):
     assert "resumed from" in proc.stdout and "step 10" in proc.stdout
     load_model(ckpt)
     assert cli("export-hf", str(ckpt), str(tmp_path / "hf")).returncode == 0
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "hf")) == [".dtensor3d-written-by", "config.json", "model.safetensors"]
     # A pickle in place of a listed file is refused (its size and sha256 differ).
     plant(step / "model-stage00.safetensors", marker)
     line = one_error_line(cli("validate", PARITY, f"checkpoint.resume={step}"))
