@@ -148,3 +148,9 @@ def test_bench_has_no_import_circle():
 
     for name in graph:
         assert name not in reach(name, set()), f"bench import circle through {name}"
+
+
+def test_readme_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert links and all((ROOT / link).exists() for link in links), [lk for lk in links if not (ROOT / lk).exists()]
