@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import DataError
 from .inputs import UTF8, Decoding, read_text_file
+from .pieces import PIECE, Pieces, encode_long
 
 GROUP = 8  # tasks (about inputs.TASK_BYTES each) per encode_batch_fast call of Encoder.stream
 
@@ -51,6 +52,8 @@ class Chunk:
     empty: int = 0
     undecodable: int = 0
     replaced: int = 0
+    long_documents: int = 0  # encoded in pieces (pieces.py)
+    hard_cuts: int = 0  # of those pieces, cuts made without a space
     named: dict[str, list[str]] = field(default_factory=dict)  # kind -> the first NAMED files of it
 
     def note(self, kind: str, path: str) -> None:
@@ -164,18 +167,30 @@ class Encoder:
             from .chat import encode_conversations
 
             return encode_conversations(self.chat_tok, list(texts), [t.spans for t in texts])
-        strings = [t for t in texts if isinstance(t, str)]
+        strings = [t for t in texts if isinstance(t, str) and len(t) <= PIECE]
         encoded = iter(self.tok.encode_batch_fast(strings, add_special_tokens=False) if strings else [])
-        return [next(encoded).ids if isinstance(t, str) else list(t) for t in texts]
+        return [
+            (next(encoded).ids if len(t) <= PIECE else encode_long(self.tok, t, self.dtype))
+            if isinstance(t, str)
+            else np.frombuffer(t, np.uint8)
+            for t in texts
+        ]
 
-    def flat(self, ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(the ids with EOS after each document, per-document lengths including the EOS)."""
-        lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
+    def flat(self, ids: list) -> tuple[np.ndarray, np.ndarray]:
+        """(the ids with EOS after each document, per-document lengths including the EOS). A
+        long document's Pieces are emptied as they are copied (one copy of its ids at a time)."""
+        lengths = np.fromiter(((x.total() if isinstance(x, Pieces) else len(x)) + 1 for x in ids), np.int64, len(ids))
         flat = np.empty(int(lengths.sum()), self.dtype)
         ends = np.cumsum(lengths)
         flat[ends - 1] = self.eos
         for start, x in zip((ends - lengths).tolist(), ids):
-            flat[start : start + len(x)] = x
+            if isinstance(x, Pieces):
+                while x:
+                    part = x.pop(0)
+                    flat[start : start + len(part)] = part
+                    start += len(part)
+            else:
+                flat[start : start + len(x)] = x
         return flat, lengths
 
     def put(self, chunk: Chunk, split: str, encoded: list) -> None:
@@ -200,8 +215,14 @@ class Encoder:
         return chunk, split
 
     def fill(self, chunk: Chunk, split: dict[str, list[str]]) -> Chunk:
-        """Encode both splits in one batch and put their token arrays into `chunk`."""
-        ids, n = self.encode(split["train"] + split["val"]), len(split["train"])
+        """Encode both splits in one batch and put their token arrays into `chunk`. The texts
+        are let go once encoded, before the token arrays are joined (a long document's text
+        and its tokens are not held together with their joined copy)."""
+        n, texts = len(split["train"]), split.pop("train") + split.pop("val")
+        ids = self.encode(texts)
+        texts.clear()
+        long = [x for x in ids if isinstance(x, Pieces)]
+        chunk.long_documents, chunk.hard_cuts = len(long), sum(x.hard for x in long)
         self.put(chunk, "train", ids[:n])
         self.put(chunk, "val", ids[n:])
         return chunk

@@ -200,7 +200,7 @@ def write_splits(o: PrepareOptions, tmp: str, tasks, encoder_args: tuple, total:
     """Encode every task into the shards under `tmp`; the counts meta.json records."""
     writers = {s: ShardWriter(tmp, s, encoder_args[2], o.shard_tokens, masked=o.chat) for s in SPLITS}
     counts = {"bytes": 0, "binary_skipped": 0, "undecodable_skipped": 0, "empty_skipped": 0, "replaced": 0}
-    counts.update(max_token_id=-1, named={})
+    counts.update(max_token_id=-1, named={}, long_documents=0, hard_cuts=0)
     with _progress(o, total) as bar:
         for chunk in chunks(tasks(), encoder_args, o.workers):
             for s in SPLITS:
@@ -222,6 +222,8 @@ def _add_counts(counts: dict, chunk: Chunk) -> None:
     counts["undecodable_skipped"] += chunk.undecodable
     counts["empty_skipped"] += chunk.empty
     counts["replaced"] += chunk.replaced
+    counts["long_documents"] += chunk.long_documents
+    counts["hard_cuts"] += chunk.hard_cuts
     for kind, names in chunk.named.items():
         kept = counts["named"].setdefault(kind, [])
         kept.extend(names[: NAMED - len(kept)])
@@ -288,6 +290,7 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
         meta = {"format": "dtensor3d-tokens", "version": 1, "tokenizer": tok_entry, "vocab_size": vocab}
         meta.update({"dtype": dtype, "val_fraction": o.val_fraction, "split_seed": o.seed, "inputs": named_inputs})
         meta.update(written, encoding=o.encoding, encoding_errors=o.encoding_errors)
+        _pieces_entry(meta, tok.to_str())
         if chat is not None:
             meta["loss_mask"] = write_template(tmp, chat)
         meta["files"] = _file_hashes(tmp, chat is not None)
@@ -298,6 +301,32 @@ def prepare(o: PrepareOptions, seconds: dict | None = None) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def _pieces_entry(meta: dict, tokenizer_json: str) -> None:
+    """meta.json's "pieces": the documents longer than pieces.PIECE characters, encoded in
+    pieces, their cuts made without a space, and whether the tokens equal one-pass encoding."""
+    from .pieces import PIECE, cuts_are_exact
+
+    documents, hard = meta.pop("long_documents"), meta.pop("hard_cuts")
+    if documents:
+        exact = hard == 0 and cuts_are_exact(tokenizer_json)
+        meta["pieces"] = {"documents": documents, "piece_chars": PIECE, "hard_cuts": hard, "exact": exact}
+
+
+def _pieces_note(meta: dict) -> str:
+    """The summary's words on documents encoded in pieces ("" when none was)."""
+    p = meta.get("pieces")
+    if not p:
+        return ""
+    said = f"; {p['documents']:,} document(s) over {p['piece_chars']:,} characters encoded in pieces cut at spaces"
+    if p["exact"]:
+        return said + " (tokens as one-pass encoding)"
+    if p["hard_cuts"]:
+        return (
+            said + f", {p['hard_cuts']:,} cut(s) without a space nearby, where tokens may differ from one-pass encoding"
+        )
+    return said + ": this tokenizer (no whitespace pre-tokenizer, or a prepending normalizer) may differ at the cuts"
 
 
 def _file_hashes(tmp: str, chat: bool) -> dict:
@@ -348,5 +377,5 @@ def summary(out: str, meta: dict, seconds: float, tokenizer_seconds: float = 0.0
         f"prepared {out}: train {tr['documents']:,} documents / {tr['tokens']:,} tokens in {len(tr['shards'])} "
         f"shard(s), validation {va['documents']:,} / {va['tokens']:,}; vocab {meta['vocab_size']:,} "
         f"({meta['dtype']}), EOS {meta['tokenizer']['eos_id']}; {mb:.1f} MB in {seconds:.1f} s ({trained}"
-        f"encoding {rate}); {_skipped(meta)}"
+        f"encoding {rate}); {_skipped(meta)}{_pieces_note(meta)}"
     )

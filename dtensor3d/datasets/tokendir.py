@@ -85,7 +85,8 @@ class ShardWriter:
             if self.file is None:
                 self._open_shard()
             part = data[: self.limit - self.in_shard]
-            for file, digest, raw in [(self.file, self.hash, part.tobytes())] + (
+            view = memoryview(np.ascontiguousarray(part)).cast("B")  # no copy of a long document's tokens
+            for file, digest, raw in [(self.file, self.hash, view)] + (
                 [(self.mask_file, self.mask_hash, mask[: len(part)].astype(np.uint8).tobytes())] if self.masked else []
             ):
                 file.write(raw)

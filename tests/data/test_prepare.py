@@ -307,3 +307,62 @@ def test_tokenizer_files_for_transformers(tmp_path):
     text = "def f(x):\n    return 'héllo'\n"
     assert tok.encode(text, add_special_tokens=False) == list(text.encode())
     assert tok.decode(list(text.encode())) == text and tok.eos_token_id == 256
+
+
+def _stdlib_text(files: int) -> str:
+    import glob
+    import sysconfig
+
+    paths = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:files]
+    return "".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in paths)
+
+
+def test_pieces_encoding_equals_one_pass_on_python_source(tmp_path):
+    """Issue 43 item 5: a long document encoded in pieces cut at spaces (pieces.py) gives the
+    tokens of one-pass encoding, on Python's stdlib source with a byte-level BPE (GPT-2's
+    regex); each piece is at most the piece size; text without spaces is cut hard and counted."""
+    from dtensor3d.datasets.pieces import cut_bounds, cuts_are_exact, encode_long
+    from dtensor3d.datasets.tokenizer import byte_tokenizer, train_bpe
+
+    text = _stdlib_text(40)
+    tok = train_bpe([text], 1000)
+    tok.encode_special_tokens = True
+    one_pass = np.array(tok.encode(text, add_special_tokens=False).ids)
+    pieces = encode_long(tok, text, np.dtype("uint16"), size=4096)
+    assert len(pieces) > 100 and pieces.hard == 0 and cuts_are_exact(tok.to_str())
+    assert np.array_equal(np.concatenate(pieces), one_pass)
+    line = text.replace("\n", " ")  # one line
+    bounds, hard = cut_bounds(line, 4096)
+    sizes = np.diff(bounds)
+    assert hard == 0 and len(sizes) > 100 and sizes.max() <= 4096 and sizes[:-1].min() >= 2048
+    assert all(line[b] == " " and not line[b - 1].isspace() for b in bounds[1:-1])
+    assert cut_bounds("x" * 10000, 4096) == ([0, 4096, 8192, 10000], 2)
+    assert cuts_are_exact(byte_tokenizer().to_str())
+
+
+def test_a_long_one_line_document_through_prepare_data(tmp_path):
+    """prepare-data on a one-line file longer than a piece: meta.json and the summary say it was
+    encoded in pieces, exactly, and its tokens equal the tokenizer's one-pass encoding."""
+    from dtensor3d.datasets.pieces import PIECE
+    from dtensor3d.datasets.tokenizer import train_bpe
+
+    line = _stdlib_text(60).replace("\n", " ")
+    assert len(line) > 2 * PIECE
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "long.txt").write_text(line, encoding="utf-8")
+    tok = train_bpe([line[:200_000]], 500)
+    tok.save(str(tmp_path / "tok.json"))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "dtensor3d", "prepare-data", str(tmp_path / "in"), "--out", str(out)]
+    cmd += ["--tokenizer", str(tmp_path / "tok.json"), "--val-fraction", "0", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 document(s) over 262,144 characters encoded in pieces cut at spaces (tokens as one-pass" in proc.stdout
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["pieces"] == {"documents": 1, "piece_chars": PIECE, "hard_cuts": 0, "exact": True}
+    from tokenizers import Tokenizer
+
+    written = Tokenizer.from_file(str(out / "tokenizer.json"))
+    written.encode_special_tokens = True
+    (doc,) = documents(out, "train")
+    assert doc[:-1].tolist() == written.encode(line, add_special_tokens=False).ids
