@@ -8,8 +8,9 @@ Hugging Face import and export for every model family.
     save.py        what a save writes: this rank's slices, the state record, the tokenizer; pruning
     background.py  the Saver (the loop's only writer; sync or async)
     hf.py          Hugging Face config and names; export_hf, import_hf, load_model
+    outdir.py      export-hf's and import-hf's OUT: new, empty, or (--overwrite) one the same command wrote
     resume.py      how a run starts: check_at_door (before any process group), load_at_start
-    lock.py        one run at a time per checkpoint directory
+    lock.py        one run at a time per checkpoint directory and per logging.run_dir
 
     checkpoint.dir/
         step_00000010/
@@ -29,7 +30,7 @@ written as `.tmp-step_...`, sealed with its manifest and renamed into place, so 
 sees a whole step or none.
 
 Layering (no import circle): format <- slices <- find, check, save <- hf <- background, resume;
-lock needs only format's errors. May import config, models and parallel.shards.
+lock needs only format's errors, outdir only format's. May import config, models and parallel.shards.
 """
 
 from .check import expected_shapes
