@@ -28,7 +28,10 @@ def logits_of(model, x):
 
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory):
-    """ep2 x dp2 (experts split over ep, FSDP2 over ep x dp for the rest), 6 steps, checkpoint at 3 and 6."""
+    """ep2 x dp2 (experts split over ep, FSDP2 over ep x dp for the rest), 6 steps, checkpoint at 3 and 6.
+    Its step 4 against one process's from the same state (test_ep_checkpoint_resumes_at_one_process)
+    sees expert gradients at 2x (pytorch #160285) and the aux gradient divided by dp (NeMo
+    Automodel #1412) in grad_norm."""
     root = tmp_path_factory.mktemp("ep")
     records = train_metrics(
         root / "run",

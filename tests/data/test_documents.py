@@ -115,6 +115,7 @@ def first_loss(recipe, masked: bool) -> float:
 MESHES = {
     # HSDP: FSDP over dp_shard x cp (2), replicated over dp_replicate (2)
     "dp2_cp2_hsdp": ["parallelism.dp=2", "parallelism.cp=2", "parallelism.dp_mode=hybrid", "parallelism.dp_shard=1"],
+    # tp x cp: the logged loss summed over cp too (torchtitan #3280 logged half of it: rel 0.5 here).
     "cp2_tp2_reduce_scatter": ["parallelism.cp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
     "pp2_tp2": ["parallelism.pp=2", "parallelism.tp=2"],
 }

@@ -63,6 +63,7 @@ CONFIGS = {
         "parallelism.fsdp_bucket_layers=2",
     ],
     # Uneven stages (README: pp_layers, e.g. [3, 1]): layers 0-2 on stage 0, layer 3 on stage 1.
+    # Its 4 microbatches are summed, not averaged (torchtitan #1733): grad_norm / 4 fails step 1.
     "pp2_uneven_layers": ["parallelism.pp=2", "parallelism.pp_layers=[3, 1]"],
     # Four dimensions at once (16 ranks, beyond the matrix's 8).
     "pp2_dp2_cp2_tp2": [
