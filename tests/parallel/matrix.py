@@ -63,6 +63,17 @@ OPTIONS = (
             "deepseek_v3": (),
             # OLMo 2: norms after attention and the MLP, q/k norms over the whole projection (no tp)
             "olmo2": ("model.family=olmo2", "model.attention_bias=true"),
+            # GLM-4.5 on the mixture-of-experts recipe: RoPE on half of each head, q/k/v biases,
+            # per-head q/k norms, sigmoid routing with the correction bias in 2 groups, layer 0 dense
+            "glm4_moe": (
+                "model.family=glm4_moe",
+                "model.partial_rotary_factor=0.5",
+                "model.attention_bias=true",
+                "model.use_qk_norm=true",
+                "model.scoring_func=sigmoid",
+                "model.n_group=2",
+                "model.first_k_dense_replace=1",
+            ),
             # SmolLM3: layers 1 and 3 without RoPE (NoPE)
             "smollm3": ("model.family=smollm3", "model.nope_layers=[1, 3]"),
         },
@@ -119,7 +130,7 @@ OPTIONS = (
     Option("compile", {"eager": (), "compiled": ("training.compile=true",)}),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
-EXPERTS = ("moe", "qwen3_moe", "deepseek_v3")  # the model values with experts
+EXPERTS = ("moe", "qwen3_moe", "deepseek_v3", "glm4_moe")  # the model values with experts
 MAX_WORLD = 8
 GLOBAL_BATCH = 8  # the parity recipes' global_batch_size
 

@@ -80,7 +80,7 @@ def documents(tmp_path_factory) -> str:
 
 
 def recipe_of(run: dict[str, str]) -> str:
-    return {"moe": MOE, "qwen3_moe": MOE, "deepseek_v3": DEEPSEEK}.get(run["model"], PARITY)
+    return {"moe": MOE, "qwen3_moe": MOE, "glm4_moe": MOE, "deepseek_v3": DEEPSEEK}.get(run["model"], PARITY)
 
 
 def test_every_pair_is_covered():
