@@ -12,7 +12,9 @@ in its summary (meta.json's "pieces" records the counts):
   cut at a character boundary (never inside a UTF-8 character), where the tokens may differ;
 - a tokenizer without a pre-tokenizer (the model sees the whole text, as some SentencePiece
   conversions) or whose normalizer prepends to every input (`Prepend`): every cut may differ.
-The byte tokenizer (no merges) is exact at any cut.
+The byte tokenizer (no merges) is exact at any cut. Not pieced: --chat conversations (their
+loss-mask spans are found in one pass) and --train-tokenizer's training pass (the trainer
+reads whole documents).
 """
 
 from __future__ import annotations
