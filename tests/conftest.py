@@ -121,6 +121,7 @@ SLOW_IN_QUICK_FILES = {
     "test_async_tp_compiled_at_tp2",
     "test_async_tp_at_dp2_tp2_eager_and_compiled",
     "test_document_masking_parity_across_meshes",
+    "test_validate_names_a_changed_offsets_or_mask_file_of_a_real_prepare_data",  # 5 processes, ~30 s
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 
