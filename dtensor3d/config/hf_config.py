@@ -21,6 +21,31 @@ HF_DEFAULTS = {
     "max_position_embeddings": 2048,
     "tie_word_embeddings": False,
 }
+# Each family's transformers config class where its defaults differ from LlamaConfig's (for the
+# keys read here; tests/config/test_hf_defaults.py checks this table against transformers). Besides
+# HF_DEFAULTS' keys: num_key_value_heads (None: num_attention_heads), head_dim (None: hidden_size //
+# num_attention_heads), rope_theta, and sliding_window / max_window_layers where the class has them.
+_QWEN2 = {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768, "num_key_value_heads": 32}
+_MISTRAL = {"intermediate_size": 14336, "max_position_embeddings": 131072, "num_key_value_heads": 8}
+FAMILY_DEFAULTS = {
+    "llama": {},
+    "qwen2": _QWEN2 | {"max_window_layers": 28},
+    "qwen3": _QWEN2 | {"max_window_layers": 28, "head_dim": 128},
+    "mistral": _MISTRAL | {"sliding_window": 4096},
+    "mixtral": _MISTRAL | {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "qwen3_moe": _QWEN2
+    | {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_key_value_heads": 4},
+    "deepseek_v3": {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61}
+    | {"num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 4096},
+}
+
+
+def family_defaults(kind: str) -> dict:
+    """The config.json defaults of model_type `kind` (LlamaConfig's for a family not in the table)."""
+    base = HF_DEFAULTS | {"num_key_value_heads": None, "head_dim": None, "rope_theta": 10000.0}
+    return base | {"sliding_window": None, "max_window_layers": 28} | FAMILY_DEFAULTS.get(kind, {})
+
+
 # ModelConfig fields that a Llama config.json holds under the same name.
 LLAMA_KEYS = (*HF_DEFAULTS, "num_key_value_heads", "rope_theta")
 # ...and the ones a Mixtral config.json adds (with MixtralConfig's defaults).
@@ -94,11 +119,11 @@ def _refuse_unsupported(hf: dict, kind: str, where: str) -> None:
         raise refuse("attention_dropout", "dropout is not supported; use 0.0")
 
 
-def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None, dict | None]:
+def _rope_from_hf(hf: dict, where: str, default_theta: float) -> tuple[float, dict | None, dict | None]:
     """(rope_theta, rope_scaling, sliding_rope) from transformers 5's rope_parameters (per
     layer type: OLMo 3's) or 4's rope_theta and rope_scaling; the default RoPE is no scaling."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # a 4.x scaling wins
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", default_theta))
     params = dict(hf.get(key) or {})
     if "full_attention" not in params:
         local = hf.get("rope_local_base_freq")  # Gemma 3's sliding-layer base in transformers 4
@@ -134,16 +159,16 @@ def _nope_layers(hf: dict, layers: int) -> list[int] | None:
     return [i for i, flag in enumerate(flags) if not flag] or None
 
 
-def _window_values(hf: dict, family, layers: int) -> dict:
+def _window_values(hf: dict, family, layers: int, defaults: dict) -> dict:
     """sliding_window and layer_types as the family's transformers class reads them: Qwen's
     only with use_sliding_window, on the layers from max_window_layers on (or its layer_types)."""
     windowed = hf.get("use_sliding_window", False) if family.window_switch else True
-    window = hf.get("sliding_window") if windowed else None
+    window = hf.get("sliding_window", defaults["sliding_window"]) if windowed else None
     if window is None:
         return {"sliding_window": None, "layer_types": None}
     types = hf.get("layer_types") if family.window_switch or family.layer_rope else None
     if family.window_switch and types is None:
-        start = hf.get("max_window_layers", 28)
+        start = hf.get("max_window_layers", defaults["max_window_layers"])
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
     if types is not None and all(t == "sliding_attention" for t in types):
         types = None
@@ -155,11 +180,13 @@ def hf_model_values(hf: dict, where: str) -> dict:
     kind = hf.get("model_type", "llama")
     _refuse_unsupported(hf, kind, where)
     family = FAMILIES[BY_MODEL_TYPE[kind]]
-    values = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items()}
+    defaults = family_defaults(kind)
+    values = {key: hf.get(key, defaults[key]) for key in HF_DEFAULTS}
     if family.experts:
         values.update(_moe_values(hf, kind))
-    values["num_key_value_heads"] = hf.get("num_key_value_heads") or values["num_attention_heads"]
-    head_dim = hf.get("head_dim")
+    kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
+    values["num_key_value_heads"] = kv_heads or values["num_attention_heads"]
+    head_dim = hf.get("head_dim", defaults["head_dim"])
     if family.mla:  # every head has its own key and value; transformers' head_dim is the RoPE width.
         # Multi-token prediction layers (num_nextn_predict_layers) are ignored, as transformers does.
         values.update({key: hf.get(key, default) for key, default in MLA_DEFAULTS.items()})
@@ -170,12 +197,12 @@ def hf_model_values(hf: dict, where: str) -> dict:
         raise CheckpointError(f"{where}: partial_rotary_factor={partial}: only 1.0 (RoPE on the whole head) for {kind}")
     values.update({"partial_rotary_factor": partial} if partial != 1.0 else {})
     values.update({"use_qk_norm": bool(hf.get("use_qk_norm", False))} if family.qk_norm_key else {})
-    values["rope_theta"], values["rope_scaling"], sliding_rope = _rope_from_hf(hf, where)
+    values["rope_theta"], values["rope_scaling"], sliding_rope = _rope_from_hf(hf, where, defaults["rope_theta"])
     values.update({"sliding_rope": sliding_rope} if sliding_rope else {})
     values.update(
         family=BY_MODEL_TYPE[kind],
         head_dim=head_dim,
-        **_window_values(hf, family, values["num_hidden_layers"]),
+        **_window_values(hf, family, values["num_hidden_layers"], defaults),
         **({"nope_layers": _nope_layers(hf, values["num_hidden_layers"])} if family.nope else {}),
         hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
         **({"query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256)} if family.sandwich_norms else {}),
