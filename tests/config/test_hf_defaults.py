@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from dtensor3d.config.hf_config import FAMILY_DEFAULTS, family_defaults, hf_model_values
+from dtensor3d.config.hf_config import (
+    DEEPSEEK_MOE_DEFAULTS,
+    FAMILY_DEFAULTS,
+    MIXTRAL_DEFAULTS,
+    MLA_DEFAULTS,
+    QWEN3_MOE_DEFAULTS,
+    family_defaults,
+    hf_model_values,
+)
 
 BASE = {
     "vocab_size": 96,
@@ -30,6 +38,11 @@ EXTRA = {
     | {"topk_group": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": False, "moe_intermediate_size": 24}
     | {"first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8}
     | {"qk_rope_head_dim": 4, "v_head_dim": 8},
+}
+MOE_TABLES = {
+    "mixtral": MIXTRAL_DEFAULTS,
+    "qwen3_moe": QWEN3_MOE_DEFAULTS,
+    "deepseek_v3": MLA_DEFAULTS | DEEPSEEK_MOE_DEFAULTS,
 }
 EXPERTS = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts"}
 MOE_FIELDS = (
@@ -86,9 +99,11 @@ def test_absent_key_takes_the_family_default(kind, key):
 @pytest.mark.parametrize("kind", list(FAMILY_DEFAULTS))
 def test_defaults_table_matches_transformers(kind):
     cfg = transformers.CONFIG_MAPPING[kind]()
-    for key, value in family_defaults(kind).items():
+    for key, value in (family_defaults(kind) | MOE_TABLES.get(kind, {})).items():
         if key == "rope_theta":
             assert cfg.rope_parameters["rope_theta"] == value, kind
+        elif key == "head_dim" and kind == "deepseek_v3":  # MLA's head_dim is qk_rope_head_dim (MLA_DEFAULTS)
+            assert cfg.head_dim == MLA_DEFAULTS["qk_rope_head_dim"]
         elif key == "head_dim" and value is None:
             assert getattr(cfg, key, None) in (None, cfg.hidden_size // cfg.num_attention_heads), kind
         elif key == "num_key_value_heads" and value is None:
