@@ -110,12 +110,13 @@ def apply(tree: Path, name: str) -> bool:
 
 
 def run(tree: Path, node: str) -> tuple[bool, str]:
-    """(failed, the first assertion line) of `node` run in `tree` against tree's package."""
+    """(failed, its first assertion line) of `node` run in `tree` against tree's package."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", node]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("E ")]
-    return proc.returncode != 0, (lines[0][1:].strip() if lines else proc.stdout.strip().splitlines()[-1])
+    lines = [ln[1:].strip() for ln in proc.stdout.splitlines() if ln.startswith("E ")]
+    shown = lines[:1] + [ln for ln in lines if ln.startswith("Greatest absolute")]  # assert_close's numbers
+    return proc.returncode != 0, " ".join(shown) if lines else proc.stdout.strip().splitlines()[-1]
 
 
 def main(names: list[str]) -> int:
