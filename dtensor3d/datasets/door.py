@@ -156,9 +156,15 @@ def check_prepared_dir(path: str, recipe, hashes: bool) -> dict:
     meta = read_meta(path)
     vocab, length = recipe.model.vocab_size, recipe.training.sequence_length
     if meta["vocab_size"] > vocab:
+        fix = f"set model.vocab_size to at least {meta['vocab_size']} (or model.pad_vocab_to_multiple_of for tp)"
+        if recipe.model == type(recipe.model)() and not recipe.checkpoint.init_from_hf:
+            fix = (
+                "the recipe has no `model` section and its model is the built-in default: it takes its model "
+                "from a Hugging Face directory, so give checkpoint.init_from_hf=DIR (DIR/config.json is the model)"
+            )
         raise DataError(
             f"data.path {path!r}: its tokenizer has {meta['vocab_size']} tokens, more than model.vocab_size={vocab}; "
-            f"set model.vocab_size to at least {meta['vocab_size']} (rounded up to a multiple of tp)"
+            + fix
         )
     unhashed = [name for split in ("train", "val") for name in _check_files(path, meta, split, hashes)]
     if hashes:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import PARITY, cli, one_error_line
+from helpers import PARITY, ROOT, cli, cli_process, one_error_line, prepare_packed
 
 from dtensor3d.config.checks import validate
 from dtensor3d.config.load import load_recipe, parse_override, recipe_from_dict
@@ -884,3 +884,13 @@ def test_the_other_checks_refuse_with_one_line(recipe, overrides, words):
     recipe it applies to: one error line naming the key, the value and what is valid."""
     line = one_error_line(cli("validate", str(RECIPE_DIR / f"{recipe}.yaml"), *overrides))
     assert all(w in line for w in words), line
+
+
+def test_smollm2_continue_without_init_from_hf_says_the_recipe_needs_it(tmp_path):
+    """Issue 43 item 12: recipes/smollm2_continue.yaml has no `model` section; run without
+    checkpoint.init_from_hf on a directory whose tokenizer outgrows the built-in default model,
+    the error says to give checkpoint.init_from_hf=DIR (not to raise model.vocab_size)."""
+    data = prepare_packed(tmp_path)  # byte tokenizer: 264 tokens > the default model's 256
+    recipe = str(ROOT / "recipes" / "smollm2_continue.yaml")
+    line = one_error_line(cli_process("validate", recipe, f"data.path={data}"))
+    assert "checkpoint.init_from_hf=DIR" in line and "no `model` section" in line, line
