@@ -52,19 +52,13 @@ def _validate_family(recipe: Recipe) -> None:
         )
     if m.mla:
         validate_mla(m, recipe.parallelism)
-    if m.use_qk_norm and not FAMILIES[m.family].qk_norm_key:
-        with_it = ", ".join(name for name, f in FAMILIES.items() if f.qk_norm_key)
-        raise RecipeError(
-            f"model.use_qk_norm=true: family {m.family!r} has no such switch; families with it: {with_it}"
-        )
+    for key, field in (("use_qk_norm", "qk_norm_key"), ("nope_layers", "nope"), ("sliding_rope", "layer_rope")):
+        if getattr(m, key) and not getattr(FAMILIES[m.family], field):
+            _no_switch(m, key, field)
+    if m.partial_rotary_factor != 1.0 and not FAMILIES[m.family].partial_rotary:
+        _no_switch(m, "partial_rotary_factor", "partial_rotary")
     if m.head_dim <= 0 or m.head_dim % 2:
         raise RecipeError(f"model.head_dim={m.head_dim} must be a positive even number (RoPE rotates pairs)")
-    if m.partial_rotary_factor != 1.0 and not FAMILIES[m.family].partial_rotary:
-        with_it = ", ".join(name for name, f in FAMILIES.items() if f.partial_rotary)
-        raise RecipeError(
-            f"model.partial_rotary_factor={m.partial_rotary_factor}: family {m.family!r} rotates whole heads; "
-            f"families with it: {with_it}"
-        )
     if not 0 < m.partial_rotary_factor <= 1 or m.rotary_dim % 2:
         raise RecipeError(
             f"model.partial_rotary_factor={m.partial_rotary_factor}: must be in (0, 1] and give an even number of "
@@ -77,21 +71,26 @@ def _validate_family(recipe: Recipe) -> None:
     problem = rope_problem(m.rope_scaling)
     if problem:
         raise RecipeError(f"model.rope_scaling: {problem}")
-    if m.sliding_rope is not None:
-        with_it = ", ".join(name for name, f in FAMILIES.items() if f.layer_rope)
-        if not FAMILIES[m.family].layer_rope:
-            raise RecipeError(
-                f"model.sliding_rope: family {m.family!r} has no such switch; families with it: {with_it}"
-            )
-        problem = rope_problem(m.sliding_rope)
-        if problem:
-            raise RecipeError(f"model.sliding_rope: {problem}")
+    _validate_switches(m, recipe.parallelism)
+    _validate_windows(m)
+
+
+def _no_switch(m: ModelConfig, key: str, field: str) -> None:
+    with_it = ", ".join(name for name, f in FAMILIES.items() if getattr(f, field))
+    value = getattr(m, key)
+    raise RecipeError(f"model.{key}={value!r}: family {m.family!r} has no such switch; families with it: {with_it}")
+
+
+def _validate_windows(m: ModelConfig) -> None:
+    """Sliding windows, per-layer types and the sliding layers' RoPE."""
+    problem = rope_problem(m.sliding_rope)
+    if problem:
+        raise RecipeError(f"model.sliding_rope: {problem}")
     if m.sliding_window is not None and m.mla:
         raise RecipeError(
             f"model.sliding_window={m.sliding_window}: family {m.family!r} (latent attention) has no sliding window; "
             "use null"
         )
-    _validate_switches(m, recipe.parallelism)
     if m.sliding_window is not None and m.sliding_window < 1:
         raise RecipeError(f"model.sliding_window={m.sliding_window} must be >= 1 (null: full attention)")
     types = ("sliding_attention", "full_attention")
@@ -104,14 +103,10 @@ def _validate_family(recipe: Recipe) -> None:
 
 def _validate_switches(m: ModelConfig, p: ParallelismConfig) -> None:
     """NoPE layers (SmolLM3) and the whole-projection q/k norm (OLMo 2) against the family and tp."""
-    if m.nope_layers is not None:
-        with_it = ", ".join(name for name, f in FAMILIES.items() if f.nope)
-        if not FAMILIES[m.family].nope:
-            raise RecipeError(f"model.nope_layers: family {m.family!r} has no such switch; families with it: {with_it}")
-        bad = [i for i in m.nope_layers if not 0 <= i < m.num_hidden_layers]
-        if bad:
-            last = m.num_hidden_layers - 1
-            raise RecipeError(f"model.nope_layers={list(m.nope_layers)}: no layer {bad[0]}; valid: 0 to {last}")
+    bad = [i for i in m.nope_layers or () if not 0 <= i < m.num_hidden_layers]
+    if bad:
+        last = m.num_hidden_layers - 1
+        raise RecipeError(f"model.nope_layers={list(m.nope_layers)}: no layer {bad[0]}; valid: 0 to {last}")
     if (m.post_norms or m.sandwich_norms) and p.sequence_parallel and not m.qk_norm_whole:
         raise RecipeError(
             f"parallelism.tp_mode={p.tp_mode}: family {m.family!r} has norms after attention and the MLP, which "
