@@ -41,6 +41,7 @@ class _Reader:
 
     def __init__(self, flat: dict[str, Any]):
         self.flat = flat
+        self.notes: list[str] = []  # "key=value (what dtensor3d does)": the warning line's approximations
 
     def get(self, path: str, default: Any = None) -> Any:
         value = self.flat.get(path)
@@ -181,8 +182,12 @@ def _profiler(r: _Reader) -> Fields:
     p = {k: r.get(f"profiler.{k}", d) for k, d in (("skip_first", 3), ("wait", 1), ("warmup", 1), ("active", 1))}
     first = p["skip_first"] + p["wait"] + p["warmup"] + 1
     last, steps = first + p["active"] - 1, r.get("tokens.train_steps", REQUIRED)
-    if last > steps:
-        raise Refusal("profiler", p, f"it profiles steps {first}..{last}, past tokens.train_steps={steps}")
+    if last > steps:  # profiling changes no maths: nanotron runs it and records what it reaches
+        kept = "nothing is profiled" if first > steps else f"only steps {first}..{steps} are profiled"
+        r.notes.append(f"profiler={p} (it profiles steps {first}..{last}, past tokens.train_steps={steps}: {kept})")
+        if first > steps:
+            return {}
+        last = steps
     why = "profiler: steps skip_first + wait + warmup + 1 .. + active - 1 (repeat: once), traces in run_dir/profile"
     return {"logging.profile_steps": ([first, last], why)}
 
@@ -196,9 +201,9 @@ def _refusals(flat: dict[str, Any]) -> list[str]:
     return out
 
 
-def _map(flat: dict[str, Any], skip: set[str]) -> tuple[Fields, list[str]]:
-    """Every recipe field the config sets, and every refusal (a mapping whose recipe fields
-    are all given as recipe-spelled overrides (`skip`) is not read)."""
+def _map(flat: dict[str, Any], skip: set[str]) -> tuple[Fields, list[str], list[str]]:
+    """Every recipe field the config sets, every refusal and every approximation note (a mapping
+    whose recipe fields are all given as recipe-spelled overrides (`skip`) is not read)."""
     r, fields, refused = _Reader(flat), {}, _refusals(flat)
     steps = {
         _direct: None,
@@ -216,7 +221,7 @@ def _map(flat: dict[str, Any], skip: set[str]) -> tuple[Fields, list[str]]:
             fields.update(fn(r))
         except Refusal as e:
             refused.append(str(e))
-    return fields, refused
+    return fields, refused, r.notes
 
 
 @dataclass(frozen=True)
@@ -238,7 +243,7 @@ def convert(raw: dict, overrides=()) -> Conversion:
         set_path(raw, parts, value, ".".join(parts))
     flat = flatten(raw)
     skip = {recipe_key(t.partition("=")[0].strip().split(".")) for t in recipe_over}
-    fields, refused = _map(flat, skip)
+    fields, refused, notes = _map(flat, skip)
     if refused:
         raise RecipeError(f"nanotron config: cannot honour {'; '.join(refused)}")
     nested: dict[str, dict] = {}
@@ -254,6 +259,7 @@ def convert(raw: dict, overrides=()) -> Conversion:
     schema = {path: schema_path(path.split(".")) for path in flat}
     ignored = tuple(p for p in flat if schema[p] in IGNORED and flat[p] is not None)
     approx = tuple(f"{p}={flat[p]!r} ({APPROXIMATED[schema[p]]})" for p in flat if schema[p] in APPROXIMATED)
+    approx += tuple(notes)
     decay = nested.get("optimizer", {}).get("weight_decay")
     if decay:
         approx += (f"optimizer.weight_decay={decay} (matrices only; nanotron decays norm weights too)",)

@@ -128,8 +128,13 @@ def test_profiler_schedule_maps_onto_profile_steps():
     recipe, _ = convert(raw_config(), shrink(*prof, "tokens.train_steps=6", f"{LR}.lr_decay_steps=5"))
     assert recipe.logging.profile_steps == (4, 5)
     assert convert(raw_config(), SHRINK)[0].logging.profile_steps is None  # profiler: null
-    with pytest.raises(RecipeError, match=r"profiler=.* profiles steps 4\.\.5, past tokens.train_steps=4"):
-        convert(raw_config(), shrink(*prof))
+    # Past a shortened tokens.train_steps (issue 43 item 17): a warning, and what the run reaches is profiled.
+    recipe, conv = convert(raw_config(), shrink(*prof))
+    assert recipe.logging.profile_steps == (4, 4)
+    assert any("profiles steps 4..5, past tokens.train_steps=4: only steps 4..4" in a for a in conv.approximated)
+    recipe, conv = convert(raw_config(), shrink(*prof, "profiler.skip_first=5"))
+    assert recipe.logging.profile_steps is None
+    assert any("past tokens.train_steps=4: nothing is profiled" in a for a in conv.approximated)
 
 
 def test_overrides_in_either_spelling():
@@ -230,9 +235,15 @@ def test_trains_like_the_native_recipe_at_world_1(tmp_path):
     native = tmp_path / "native.yaml"
     native.write_text(yaml.safe_dump(NATIVE))
     common = ["training.device=cpu", f"checkpoint.dir={tmp_path / 'ck'}"]
-    proc = cli_process("train", CONFIG, *SHRINK, *common, "checkpoint.resume=none", f"logging.run_dir={tmp_path / 'a'}")
+    # A profiler schedule (steps 4..5) past the shortened train_steps=4: one warning line, and it runs (item 17).
+    prof = ["profiler.profiler_export_path=./tb_logs", "profiler.skip_first=1", "profiler.active=2"]
+    proc = cli_process(
+        "train", CONFIG, *shrink(*prof), *common, "checkpoint.resume=none", f"logging.run_dir={tmp_path / 'a'}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sum(line.startswith("warning: ") for line in proc.stderr.splitlines()) == 1
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "past tokens.train_steps=4: only steps 4..4" in warnings[0], warnings
+    assert (tmp_path / "a" / "profile" / "trace_rank0.json").is_file()
     proc = cli_process("train", str(native), *common, "checkpoint.resume=none", f"logging.run_dir={tmp_path / 'b'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
