@@ -127,7 +127,8 @@ def verify_hashes(step_dir: str, files: dict) -> None:
 def note_grown_steps(record: dict, recipe) -> None:
     """One `note:` line when training.steps grew since the save: the LR schedule's decay is
     recomputed for the new length, so the next step's lr may leave the saved run's curve; the
-    line says which decay_start / decay_steps keep it (config/lr.keep_curve_advice)."""
+    line says which decay_start / decay_steps keep it (config/lr.keep_curve_advice). Steps are
+    numbered as metrics.jsonl numbers them (1-based: the record's step is the count done)."""
     saved_recipe = record.get("recipe") or {}
     saved = (saved_recipe.get("training") or {}).get("steps")
     step, steps = int(record["step"]), recipe.training.steps
@@ -137,7 +138,7 @@ def note_grown_steps(record: dict, recipe) -> None:
     advice = keep_curve_advice(recipe.optimizer, saved_recipe.get("optimizer") or {}, saved, steps, step)
     print(
         f"note: training.steps grew from {saved} to {steps}: the LR schedule is recomputed for {steps} steps, so "
-        f"step {step} runs at lr {lr:.3e} where the saved run's next_lr was {record['next_lr']:.3e}; {advice}",
+        f"step {step + 1} runs at lr {lr:.3e} where the saved run's next_lr was {record['next_lr']:.3e}; {advice}",
         file=sys.stderr,
         flush=True,
     )

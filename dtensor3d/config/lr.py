@@ -43,6 +43,13 @@ def keep_curve_advice(opt, saved: dict, saved_steps: int, steps: int, step: int)
     start = saved.get("decay_start")
     start = opt.warmup_steps if start is None else start
     length = saved.get("decay_steps")
+    if length is None and (saved_steps <= start or (step < opt.warmup_steps and saved.get("decay_start") is None)):
+        # Still in warmup with the default decay, or saved before its decay began: the decay's length was
+        # never fixed; the defaults stretch it to the new end, which keeps the saved schedule's shape.
+        return (
+            f"the saved schedule's shape (warmup, then the {opt.decay} decay from step {start + 1} down to "
+            f"min_lr at the last step) is kept as recomputed: nothing to set (keep optimizer.decay_steps=null)"
+        )
     length = max(1, saved_steps - start) if length is None else length
     if step < start and steps - length >= start:
         return (

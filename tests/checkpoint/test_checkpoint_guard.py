@@ -161,7 +161,10 @@ def test_grown_steps_are_noted_with_the_next_lr(ckpt, tmp_path):
     opt = load_recipe(PARITY).optimizer
     now, saved = scheduled_lr(2, opt, 3), scheduled_lr(2, opt, 2)
     assert len(notes) == 1 and "training.steps grew from 2 to 3" in notes[0], proc.stderr
-    assert f"step 2 runs at lr {now:.3e} where the saved run's next_lr was {saved:.3e}" in notes[0], notes
+    # The step numbered as metrics.jsonl numbers it (issue 43 item 16): the resumed step is the log's step 3.
+    assert f"step 3 runs at lr {now:.3e} where the saved run's next_lr was {saved:.3e}" in notes[0], notes
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["lr"] for row in rows if row.get("step") == 3] == [pytest.approx(now, rel=1e-6)], rows
 
 
 # ---------------------------------------------------------------- checkpoint.dir at the door

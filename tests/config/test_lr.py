@@ -111,6 +111,23 @@ def test_grown_steps_advice_keeps_the_lr_without_a_jump(decay, start, length, st
         assert lr_at(119, new, 120) == 1e-4
 
 
+@pytest.mark.parametrize("saved_steps", (10, 80))
+def test_grown_steps_advice_in_warmup_keeps_the_saved_shape(saved_steps):
+    """Issue 43 item 16: a run saved at step 5, still in its 20-step warmup (default decay), then
+    grown to 120 steps: the advice sets nothing (not decay_start=20 decay_steps=1, a one-step drop
+    to min_lr, nor a stable phase the saved schedule never had), and the recomputed schedule keeps
+    the saved shape: the same warmup, then the decay straight down to min_lr at the last step."""
+    from dtensor3d.config.lr import keep_curve_advice
+
+    old = _recipe(saved_steps, warmup_steps=20)
+    advice = keep_curve_advice(old.optimizer, {"decay_start": None, "decay_steps": None}, saved_steps, 120, 5)
+    assert "nothing to set" in advice and "optimizer.decay_start=" not in advice, advice
+    new = old.optimizer  # the advice: keep the defaults
+    assert [lr_at(s, new, 120) for s in range(5, 20)] == [lr_at(s, old.optimizer, saved_steps) for s in range(5, 20)]
+    after = [lr_at(s, new, 120) for s in range(20, 120)]
+    assert after[0] == 1e-3 and all(a > b for a, b in zip(after, after[1:])) and after[-1] > 1e-4
+
+
 def dataclasses_dict(opt) -> dict:
     import dataclasses
 
