@@ -39,6 +39,26 @@ FAMILIES = {
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, window_switch=True),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, biases=("attention_bias",), window_switch=True),
     "mistral": Family("mistral", "MistralForCausalLM"),
+    "mixtral": Family("mixtral", "MixtralForCausalLM", experts=True),
+    "deepseek_v3": Family(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        experts=True,
+        biases=("attention_bias",),
+        mla=True,
+        hf_moe="mlp",
+        correction_bias=True,
+        prediction_layers=True,
+    ),
+    "qwen3_moe": Family(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        qk_norm=True,
+        experts=True,
+        biases=("attention_bias",),
+        window_switch=True,
+        hf_moe="mlp",
+    ),
     "olmo2": Family(
         "olmo2", "Olmo2ForCausalLM", qk_norm=True, biases=("attention_bias",), post_norms=True, qk_norm_whole=True
     ),
@@ -76,26 +96,6 @@ FAMILIES = {
     "phi3": Family("phi3", "Phi3ForCausalLM", fused=True),
     "smollm3": Family(
         "smollm3", "SmolLM3ForCausalLM", biases=("attention_bias", "mlp_bias"), window_switch=True, nope=True
-    ),
-    "mixtral": Family("mixtral", "MixtralForCausalLM", experts=True),
-    "deepseek_v3": Family(
-        "deepseek_v3",
-        "DeepseekV3ForCausalLM",
-        experts=True,
-        biases=("attention_bias",),
-        mla=True,
-        hf_moe="mlp",
-        correction_bias=True,
-        prediction_layers=True,
-    ),
-    "qwen3_moe": Family(
-        "qwen3_moe",
-        "Qwen3MoeForCausalLM",
-        qk_norm=True,
-        experts=True,
-        biases=("attention_bias",),
-        window_switch=True,
-        hf_moe="mlp",
     ),
 }
 BY_MODEL_TYPE = {f.model_type: name for name, f in FAMILIES.items()}

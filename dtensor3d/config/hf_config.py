@@ -194,7 +194,10 @@ def hf_model_values(hf: dict, where: str) -> dict:
     rope_params = hf.get("rope_parameters") or {}
     partial = rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0 and not family.partial_rotary:
-        raise CheckpointError(f"{where}: partial_rotary_factor={partial}: only 1.0 (RoPE on the whole head) for {kind}")
+        raise CheckpointError(
+            f"{where}: rope_parameters: partial_rotary_factor={partial}: only 1.0 (RoPE on the whole head) "
+            f"for model_type {kind!r}; glm4_moe has partial rotary"
+        )
     values.update({"partial_rotary_factor": partial} if partial != 1.0 else {})
     values.update({"use_qk_norm": bool(hf.get("use_qk_norm", False))} if family.qk_norm_key else {})
     values["rope_theta"], values["rope_scaling"], sliding_rope = _rope_from_hf(hf, where, defaults["rope_theta"])
