@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     from .generate import add_generate_parser
 
     add_generate_parser(sub)
+    from .evaluate import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
@@ -204,6 +207,12 @@ def _generate(args) -> None:
     run_generate(args)
 
 
+def _eval(args) -> None:
+    from .evaluate import run_eval
+
+    run_eval(args)
+
+
 def _prepare_data(args) -> None:
     from .datasets.cli import run_prepare
 
@@ -219,6 +228,7 @@ COMMANDS = {
     "import-hf": _import_hf,
     "prepare-data": _prepare_data,
     "generate": _generate,
+    "eval": _eval,
 }
 
 

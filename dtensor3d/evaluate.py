@@ -1,0 +1,249 @@
+"""eval: lm-evaluation-harness on a checkpoint, with dtensor3d's own model.
+
+    python -m dtensor3d eval CKPT --tasks T1,T2 [--include-path DIR] [--limit N]
+        [--batch-size B] [--num-fewshot K] [--output PATH]
+
+CKPT: a step directory, a checkpoint directory (its newest step) or a Hugging Face directory
+of a supported family; its tokenizer must be in or beside it. The harness's model class
+`dtensor3d` (Dtensor3dLM, registered with lm_eval's registry) scores requests with the
+single-device model: loglikelihood and loglikelihood_rolling batched (right-padded, so the
+causal model's real positions see no padding), generate_until greedy with a KV cache
+(generate.generate_ids). Tokenization is transformers.AutoTokenizer's, exactly as lm_eval's
+HFLM does it on the export, so the two score the same token ids. Under torchrun the harness
+splits the requests over the ranks (its own rank/world_size) and gathers the results on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+from .errors import CheckpointError, DataError, RecipeError
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+except ImportError:  # the eval extra is absent: the command says so at the door
+    TemplateLM, register_model = object, None
+
+
+def add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="lm-evaluation-harness tasks on a checkpoint (dtensor3d's model)")
+    p.add_argument("ckpt", help="a step directory, a checkpoint directory (its newest) or a Hugging Face directory")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", help="a directory of extra task YAML files")
+    p.add_argument("--limit", type=float, help="at most this many documents per task (a fraction if < 1)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-fewshot", type=int)
+    p.add_argument("--output", help="write the harness's results JSON here")
+
+
+def hf_tokenizer(ckpt: str):
+    """transformers' tokenizer of CKPT: a Hugging Face directory's own, else the checkpoint's
+    tokenizer.json (in the step directory or beside it) as export-hf would write it."""
+    from transformers import AutoTokenizer
+
+    from .datasets.tokenizer import write_hf_tokenizer
+    from .generate import find_tokenizer
+
+    if os.path.isfile(os.path.join(ckpt, "config.json")) and os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(ckpt)
+    try:
+        path = find_tokenizer(ckpt, None)
+    except DataError:
+        raise DataError(
+            f"eval: CKPT={ckpt!r} has no tokenizer.json in or beside it; the harness needs the checkpoint's "
+            "tokenizer (a checkpoint trained on prepared data or imported with import-hf carries one)"
+        ) from None
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_tokenizer(path, tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+class Dtensor3dLM(TemplateLM):
+    """lm_eval's model interface on a dtensor3d single-device model (see the module docstring)."""
+
+    def __init__(self, pretrained=None, model=None, tokenizer=None, batch_size=8, max_length=None, **_):
+        super().__init__()
+        if model is None:
+            from .checkpoint.hf import model_from, model_source
+
+            cfg, files = model_source(str(pretrained), "eval")
+            model, max_length = model_from(cfg, files), max_length or cfg.max_position_embeddings
+        self.model, self.tokenizer = model, tokenizer or hf_tokenizer(str(pretrained))
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length or model.cfg.max_position_embeddings)
+        self.max_gen_toks = 256
+        self._rank, self._world_size = _dist_rank_world()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens=None, left_truncate_len=None, **kwargs) -> list[int]:
+        extra = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        ids = self.tokenizer.encode(string, **extra)
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(sum of the continuation's log-probabilities, whether it is the greedy one) per
+        request, in the requests' order; longest first in batches of batch_size."""
+        rows = [((ctx + cont)[-(self.max_length + 1) :][:-1], cont) for _, ctx, cont in requests]
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        out: list = [None] * len(rows)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            for i, result in zip(batch, self._score([rows[i] for i in batch]), strict=True):
+                out[i] = result
+                if self.cache_hook is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], result)
+        return out
+
+    def _score(self, rows) -> list[tuple[float, bool]]:
+        import torch
+        import torch.nn.functional as F
+
+        from .generate import _drop_moe_records
+
+        width = max(len(inp) for inp, _ in rows)
+        pad = self.eot_token_id or 0
+        ids = torch.tensor([inp + [pad] * (width - len(inp)) for inp, _ in rows])
+        with torch.no_grad():
+            logp = F.log_softmax(self.model(ids).float(), dim=-1)
+        _drop_moe_records(self.model)
+        results = []
+        for k, (inp, cont) in enumerate(rows):
+            span = logp[k, len(inp) - len(cont) : len(inp)]
+            target = torch.tensor(cont)
+            greedy = bool((span.argmax(-1) == target).all())
+            results.append((float(span.gather(1, target[:, None]).sum()), greedy))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's total log-probability over disjoint windows of max_length tokens (HFLM's split)."""
+        from lm_eval import utils
+
+        out = []
+        for req in requests:
+            windows = utils.get_rolling_token_windows(
+                token_list=self.tok_encode(req.args[0]),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            windows = [(None, *utils.make_disjoint_window(w)) for w in windows]
+            out.append(sum(score for score, _ in self._loglikelihood_tokens(windows)))
+            if self.cache_hook is not None:
+                self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), out[-1])
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations (KV cache), cut at the first stop sequence (HFLM's rules)."""
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+        from .generate import generate_ids
+
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        out = []
+        for req in requests:
+            context, gen_kwargs = req.args
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
+                raise RecipeError(f"eval: only greedy generation is supported (got {gen_kwargs})")
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = kwargs.pop("max_gen_toks")
+            prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_new)
+            tokens: list[int] = []
+            for token in generate_ids(self.model, prompt, max_new, temperature=0.0):
+                tokens.append(token)
+                if any(stop in self.tok_decode(tokens) for stop in until):
+                    break
+            text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
+            out.append(text)
+            if self.cache_hook is not None:
+                self.cache_hook.add_partial("generate_until", req.args, text)
+        return out
+
+
+if register_model is not None:
+    register_model("dtensor3d")(Dtensor3dLM)
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def check_eval_args(args):
+    """Every argument checked before the model loads; returns (task names, TaskManager)."""
+    if register_model is None:
+        raise RecipeError("eval: lm-evaluation-harness is not installed; pip install 'dtensor3d[eval]'")
+    if not os.path.exists(args.ckpt):
+        raise CheckpointError(f"eval: CKPT={args.ckpt!r}: no such checkpoint; give a step, checkpoint or HF directory")
+    if args.include_path and not os.path.isdir(args.include_path):
+        raise DataError(f"eval: --include-path={args.include_path!r}: no such directory; give a folder of task YAMLs")
+    if args.batch_size < 1 or (args.limit is not None and args.limit <= 0):
+        raise RecipeError(f"eval: need --batch-size >= 1 and --limit > 0 (got {args.batch_size}, {args.limit})")
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=args.include_path)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown or not tasks:
+        where = f" or under --include-path={args.include_path!r}" if args.include_path else ""
+        raise RecipeError(
+            f"eval: --tasks={args.tasks!r}: unknown task {', '.join(unknown) or '(none given)'}; "
+            f"give names lm-eval knows{where} (`lm-eval ls tasks` lists them)"
+        )
+    return tasks, manager
+
+
+def evaluate(lm, tasks, manager, limit=None, num_fewshot=None, log_samples=False) -> dict | None:
+    """The harness on `lm` (a Dtensor3dLM): its results dict on rank 0, None on the others."""
+    from lm_eval import simple_evaluate
+
+    limit = int(limit) if limit is not None and limit >= 1 else limit
+    return simple_evaluate(
+        model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples
+    )
+
+
+def run_eval(args) -> None:
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    tasks, manager = check_eval_args(args)
+    tokenizer = hf_tokenizer(args.ckpt)  # before the weights: a checkpoint without one says so at once
+    lm = Dtensor3dLM(pretrained=args.ckpt, tokenizer=tokenizer, batch_size=args.batch_size)
+    results = evaluate(lm, tasks, manager, args.limit, args.num_fewshot)
+    if results is None:  # not rank 0
+        return
+    print(make_table(results))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1, default=handle_non_serializable)
+        print(f"wrote {args.output}", file=sys.stderr)

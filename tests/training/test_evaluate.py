@@ -1,0 +1,129 @@
+"""eval: lm-evaluation-harness through dtensor3d's model class equals lm_eval's own HFLM on the
+export-hf of the same checkpoint (every request's loglikelihood, every greedy generation, every
+metric), on the local tasks of tests/eval/tasks; the command's door errors are one line each."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtensor3d.__main__ import main
+from dtensor3d.datasets.tokenizer import byte_tokenizer, write_hf_tokenizer
+
+lm_eval = pytest.importorskip("lm_eval")
+transformers = pytest.importorskip("transformers")
+
+TASKS_DIR = str(Path(__file__).parents[1] / "eval" / "tasks")
+TASKS = ["d3d_doc_mc", "d3d_doc_ppl", "d3d_doc_gen"]
+LIMIT = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random tiny HF Llama with a byte tokenizer -> import-hf (ck) -> export-hf (export)."""
+    root = tmp_path_factory.mktemp("eval")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # logits far apart: no near-ties for argmax
+    hf.save_pretrained(root / "hf")
+    byte_tokenizer().save(str(root / "tok.json"))
+    write_hf_tokenizer(str(root / "tok.json"), str(root / "hf"))
+    assert main(["import-hf", str(root / "hf"), str(root / "ck")]) == 0
+    assert main(["export-hf", str(root / "ck"), str(root / "export")]) == 0
+    return root
+
+
+def _run(lm, batch_size=4):
+    from lm_eval.tasks import TaskManager
+
+    from dtensor3d.evaluate import evaluate
+
+    start = time.perf_counter()
+    out = evaluate(lm, TASKS, TaskManager(include_path=TASKS_DIR), limit=LIMIT, log_samples=True)
+    return out, time.perf_counter() - start
+
+
+def _responses(results) -> dict:
+    """task -> per document, per request: the model's raw answer (loglikelihood, flag or text)."""
+    return {t: [s["resps"] for s in sorted(ss, key=lambda s: s["doc_id"])] for t, ss in results["samples"].items()}
+
+
+def test_equals_hflm_on_the_export(checkpoint):
+    from lm_eval.models.huggingface import HFLM
+
+    from dtensor3d.evaluate import Dtensor3dLM
+
+    ours, t_ours = _run(Dtensor3dLM(pretrained=str(checkpoint / "ck"), batch_size=4))
+    theirs, t_hf = _run(HFLM(pretrained=str(checkpoint / "export"), dtype="float32", batch_size=4, device="cpu"))
+    a, b = _responses(ours), _responses(theirs)
+    assert a.keys() == b.keys() == set(TASKS)
+    worst, requests = 0.0, 0
+    for task in TASKS:
+        for doc_a, doc_b in zip(a[task], b[task], strict=True):
+            for ra, rb in zip(doc_a, doc_b, strict=True):
+                requests += 1
+                ra, rb = ra[0], rb[0]
+                if isinstance(ra, str):
+                    assert ra == rb, (task, ra, rb)  # greedy generations identical
+                    continue
+                ll_a, ll_b = (ra[0], rb[0]) if isinstance(ra, (tuple, list)) else (ra, rb)
+                worst = max(worst, abs(ll_a - ll_b) / abs(ll_b))
+                if isinstance(ra, (tuple, list)):
+                    assert ra[1] == rb[1]  # is_greedy
+    assert worst <= 1e-5, worst
+    metric_worst = 0.0
+    for task in TASKS:
+        for metric, value in theirs["results"][task].items():
+            if isinstance(value, float) and "_stderr" not in metric:
+                mine = ours["results"][task][metric]
+                if metric.startswith(("acc", "exact_match")):
+                    assert mine == value, (task, metric, mine, value)  # counts of the same answers: exact
+                metric_worst = max(metric_worst, abs(mine - value) / max(abs(value), 1e-300))
+    assert metric_worst <= 1e-5, metric_worst  # perplexities: exp of sums of the loglikelihoods above
+    print(
+        f"\n{requests} requests: max rel loglikelihood error {worst:.2e}, max rel metric error {metric_worst:.2e}; "
+        f"dtensor3d {t_ours:.2f} s, HFLM {t_hf:.2f} s"
+    )
+
+
+def test_eval_command_prints_the_table_and_writes_json(checkpoint, capsys):
+    out = checkpoint / "results.json"
+    argv = ["eval", str(checkpoint / "ck"), "--tasks", "d3d_doc_mc", "--include-path", TASKS_DIR, "--limit", "4"]
+    assert main([*argv, "--output", str(out)]) == 0
+    assert "d3d_doc_mc" in capsys.readouterr().out
+    assert "acc,none" in json.loads(out.read_text())["results"]["d3d_doc_mc"]
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("unknown_task", "unknown task no_such_task"),
+        ("missing_include", "--include-path="),
+        ("no_tokenizer", "has no tokenizer.json"),
+    ],
+)
+def test_eval_door_errors(checkpoint, tmp_path, capsys, case, needle):
+    import shutil
+
+    ckpt = str(checkpoint / "ck")
+    tasks, include = "d3d_doc_mc", TASKS_DIR
+    if case == "unknown_task":
+        tasks = "d3d_doc_mc,no_such_task"
+    elif case == "missing_include":
+        include = str(tmp_path / "nowhere")
+    else:
+        ckpt = str(tmp_path / "bare")
+        shutil.copytree(checkpoint / "hf", ckpt, ignore=shutil.ignore_patterns("tokenizer*"))
+    assert main(["eval", ckpt, "--tasks", tasks, "--include-path", include]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
