@@ -87,6 +87,36 @@ class Dtensor3dLM(TemplateLM):
         return self._world_size
 
     @property
+    def device(self) -> str:
+        return "cpu"  # the single-device model loads on the CPU (checkpoint.hf.model_from)
+
+    def all_gather(self, tensor):
+        """The ranks' tensors, stacked (0-d) or concatenated (as accelerate's gather), on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj, dst=0):
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.world_size > 1:
+            dist.barrier()
+
+    @property
     def eot_token_id(self) -> int:
         return self.tokenizer.eos_token_id
 
@@ -233,13 +263,27 @@ def evaluate(lm, tasks, manager, limit=None, num_fewshot=None, log_samples=False
     )
 
 
+def _init_dist() -> None:
+    """Under torchrun (WORLD_SIZE > 1): one gloo group; every rank is a data-parallel rank that
+    holds the whole model and scores its share of the requests (the harness splits them)."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
 def run_eval(args) -> None:
     from lm_eval.utils import handle_non_serializable, make_table
 
     tasks, manager = check_eval_args(args)
+    _init_dist()
     tokenizer = hf_tokenizer(args.ckpt)  # before the weights: a checkpoint without one says so at once
     lm = Dtensor3dLM(pretrained=args.ckpt, tokenizer=tokenizer, batch_size=args.batch_size)
-    results = evaluate(lm, tasks, manager, args.limit, args.num_fewshot)
+    results = evaluate(lm, tasks, manager, args.limit, args.num_fewshot, log_samples=bool(args.output))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if results is None:  # not rank 0
         return
     print(make_table(results))
