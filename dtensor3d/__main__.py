@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     from .generate import add_generate_parser
 
     add_generate_parser(sub)
-    from .evaluate import add_eval_parser
+    from .harness import add_eval_parser
 
     add_eval_parser(sub)
     return parser
@@ -208,7 +208,7 @@ def _generate(args) -> None:
 
 
 def _eval(args) -> None:
-    from .evaluate import run_eval
+    from .harness import run_eval
 
     run_eval(args)
 

@@ -91,6 +91,7 @@ FLOORS = {
     "training": 5,
     "launch": 5,
     "generate": 5,
+    "harness": 5,  # lm-evaluation-harness's model class over generate's KV cache
     "recipe": 6,  # the library's re-export of config.schema
     "__main__": 6,
     "__init__": 0,  # dtensor3d/__init__.py: the version; the library face by name, on first use (no import)

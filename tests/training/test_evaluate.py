@@ -46,7 +46,7 @@ def checkpoint(tmp_path_factory):
 def _run(lm, batch_size=4):
     from lm_eval.tasks import TaskManager
 
-    from dtensor3d.evaluate import evaluate
+    from dtensor3d.harness import evaluate
 
     start = time.perf_counter()
     out = evaluate(lm, TASKS, TaskManager(include_path=TASKS_DIR), limit=LIMIT, log_samples=True)
@@ -90,7 +90,7 @@ def _compare(ours, theirs) -> tuple[int, float, float]:
 def test_equals_hflm_on_the_export(checkpoint):
     from lm_eval.models.huggingface import HFLM
 
-    from dtensor3d.evaluate import Dtensor3dLM
+    from dtensor3d.harness import Dtensor3dLM
 
     ours, t_ours = _run(Dtensor3dLM(pretrained=str(checkpoint / "ck"), batch_size=4))
     theirs, t_hf = _run(HFLM(pretrained=str(checkpoint / "export"), dtype="float32", batch_size=4, device="cpu"))

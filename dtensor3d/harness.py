@@ -35,8 +35,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include-path", help="a directory of extra task YAML files")
     p.add_argument("--limit", type=float, help="at most this many documents per task (a fraction if < 1)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--num-fewshot", type=int)
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward (loglikelihood)")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--output", help="write the harness's results JSON here")
 
 
