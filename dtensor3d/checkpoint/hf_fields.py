@@ -133,6 +133,7 @@ def hf_config(cfg) -> dict:
         "architectures": [FAMILIES[name].architecture],
         "model_type": FAMILIES[name].model_type,
         **{key: getattr(cfg, key) for key in LLAMA_KEYS},
+        "vocab_size": cfg.padded_vocab_size,  # the embedding's rows, padding included (as Megatron and nanotron)
         "head_dim": cfg.head_dim,
         **_COMMON,
         "hidden_act": cfg.hidden_act,

@@ -23,7 +23,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     for section, keys in POSITIVE.items():
         for key in keys:
             value = getattr(getattr(recipe, section), key)
-            if value <= 0:
+            if value is not None and value <= 0:  # null: the knob is off
                 raise RecipeError(f"{section}.{key}={value} must be a positive integer")
     if world_size is not None and p.world_size != world_size:
         sizes = "*".join(f"{v}" for v in p.dims.values())
@@ -150,10 +150,11 @@ def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
         raise RecipeError(
             f"parallelism.tp={p.tp}: model.intermediate_size={m.intermediate_size} is not divisible by tp"
         )
-    if m.vocab_size % p.tp:
+    if m.padded_vocab_size % p.tp:
+        padded = f" (padded to {m.padded_vocab_size})" if m.pad_vocab_to_multiple_of else ""
         raise RecipeError(
-            f"parallelism.tp={p.tp}: model.vocab_size={m.vocab_size} is not divisible by tp; "
-            f"pad the vocabulary to a multiple of {p.tp}"
+            f"parallelism.tp={p.tp}: model.vocab_size={m.vocab_size}{padded} is not divisible by tp; "
+            f"set model.pad_vocab_to_multiple_of to a multiple of {p.tp} (the padded logits never count)"
         )
 
 

@@ -23,6 +23,13 @@ class ModelConfig:
     """The model, in Hugging Face config names (Mixtral's for a mixture of experts)."""
 
     vocab_size: int = knob(256, "tokens in the vocabulary (the embedding's and the head's rows)", positive=True)
+    pad_vocab_to_multiple_of: int | None = knob(
+        None,
+        "pad the embedding's and the head's rows up to a multiple of this (Megatron's convention, e.g. 257 "
+        "byte tokens at tp 2); the padded logits never count (loss, generate); export-hf writes the padded "
+        "size; null: no padding",
+        positive=True,
+    )
     hidden_size: int = knob(64, "the residual stream's width", positive=True)
     intermediate_size: int = knob(176, "the feed-forward's inner width (SwiGLU)", positive=True)
     num_hidden_layers: int = knob(4, "decoder layers", positive=True)
@@ -104,6 +111,12 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
         if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The embedding's and the head's rows: vocab_size, rounded up to pad_vocab_to_multiple_of."""
+        multiple = self.pad_vocab_to_multiple_of or 1
+        return -(-self.vocab_size // multiple) * multiple
 
     def is_moe_layer(self, index: int) -> bool:
         """Layers with experts: all of them when the model has experts, unless moe_layers lists

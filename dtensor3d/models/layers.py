@@ -190,6 +190,8 @@ class ModelHooks:
                       0: no balance loss, as in a forward-only model)
     recompute:        "none", "full" (keep only each decoder layer's input for backward) or
                       "selective" (keep its matmul outputs too: `recompute_context`)
+    vocab_layout:     (bias [padded vocab], logits) -> the bias laid out as the logits are
+                      (tensor parallelism: sharded on the vocabulary); default: as it is
     """
 
     sequence: SequenceLayout = field(default_factory=SequenceLayout)
@@ -197,6 +199,18 @@ class ModelHooks:
     tokens: TokenShare = field(default_factory=TokenShare)
     aux_loss_scale: float = 0.0
     recompute: str = "none"
+    vocab_layout: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda bias, logits: bias
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab: int, hooks: ModelHooks) -> torch.Tensor:
+    """Logits [..., padded vocab] with the padding's (ids >= vocab: model.pad_vocab_to_multiple_of)
+    at -inf: no probability in the loss's softmax or in generation, and no gradient."""
+    padded = logits.shape[-1]
+    if padded == vocab:
+        return logits
+    bias = torch.zeros(padded, dtype=logits.dtype, device=logits.device)
+    bias[vocab:] = float("-inf")
+    return logits + hooks.vocab_layout(bias, logits)
 
 
 # Ops whose outputs selective recompute keeps: the matmuls (and attention, a pair of them);

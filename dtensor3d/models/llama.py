@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import MLP, KVCache, ModelHooks, RMSNorm, cached_attention, recompute_context
+from .layers import MLP, KVCache, ModelHooks, RMSNorm, cached_attention, mask_padded_vocab, recompute_context
 from .mla import MultiHeadLatentAttention
 from .moe import MoE
 from .rope import apply_rope, inv_freq, rope_tables
@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, hooks: ModelHooks):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         # A ModuleDict keyed by the global layer index: a pipeline stage drops layers and the
         # rest keep their names (model.layers.7...), like nn.ModuleList's.
         self.layers = nn.ModuleDict(
@@ -179,8 +179,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, hooks: ModelHooks | None = None):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, hooks or ModelHooks())
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.hooks = hooks or ModelHooks()
+        self.model = LlamaModel(cfg, self.hooks)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -202,7 +203,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             h = self.model(input_ids, cache)
             cache.length += input_ids.shape[1]
-        return self.lm_head(h) if self.lm_head is not None else h  # [b, s, vocab]
+        if self.lm_head is None:
+            return h
+        return mask_padded_vocab(self.lm_head(h), self.cfg.vocab_size, self.hooks)  # [b, s, padded vocab]
 
     def keep_only(self, layers: range, first: bool, last: bool) -> LlamaForCausalLM:
         """Turn this model into one pipeline stage: `layers` (global indices), plus the

@@ -32,7 +32,7 @@ from .context import sequence_layout
 from .data import apply_fsdp, fsdp_policy
 from .expert import aux_loss_scale, expert_dispatch, shard_experts, token_share
 from .pipeline import local_stages, merge_stages, split_stage
-from .tensor import apply_tp
+from .tensor import apply_tp, vocab_layout
 
 
 def model_hooks(recipe, mesh, device: torch.device) -> ModelHooks:
@@ -44,6 +44,7 @@ def model_hooks(recipe, mesh, device: torch.device) -> ModelHooks:
         tokens=token_share(p, mesh),
         aux_loss_scale=aux_loss_scale(recipe),
         recompute=p.recompute,
+        vocab_layout=vocab_layout,
     )
 
 

@@ -107,5 +107,18 @@ def init_weights(model: nn.Module, seed: int) -> None:
         if std is None:  # a norm's weight: 1, or 0 where the norm scales by 1 + weight (Gemma)
             full = torch.zeros(p.shape) if model.cfg.norm_offset else torch.ones(p.shape)
         else:
-            full = torch.randn(p.shape, generator=torch.Generator().manual_seed(param_seed(seed, name))) * std
+            full = _draw(p.shape, param_seed(seed, name), std, model.cfg, name)
         copy_full_(p, full)
+
+
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _draw(shape: torch.Size, seed: int, std: float, cfg, name: str) -> torch.Tensor:
+    """A parameter's init; the embedding's and the head's padding rows (model.pad_vocab_to_multiple_of)
+    are zeros apart from the real rows, which get exactly the unpadded model's values."""
+    gen = torch.Generator().manual_seed(seed)
+    if name not in VOCAB_ROWS or shape[0] == cfg.vocab_size:
+        return torch.randn(shape, generator=gen) * std
+    real = torch.randn((cfg.vocab_size, *shape[1:]), generator=gen) * std
+    return torch.cat([real, real.new_zeros((shape[0] - cfg.vocab_size, *shape[1:]))])

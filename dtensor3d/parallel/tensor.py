@@ -237,3 +237,16 @@ def match_grad_placements(params: list[nn.Parameter]) -> None:
     for q in params:
         if isinstance(q.grad, DTensor) and q.grad.placements != q.placements:
             q.grad = q.grad.redistribute(q.device_mesh, q.placements)
+
+
+def vocab_layout(bias: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """ModelHooks.vocab_layout: the padded vocabulary's bias [padded vocab] laid out as the
+    logits are (vocab-parallel: Shard(0) where they are sharded on the vocabulary), each rank
+    keeping its slice of the same full bias (no communication); plain logits: the bias as it is."""
+    if not isinstance(logits, DTensor):
+        return bias
+    last = logits.ndim - 1
+    placements = [
+        Shard(0) if isinstance(pl, Shard) and pl.dim % logits.ndim == last else Replicate() for pl in logits.placements
+    ]
+    return distribute_tensor(bias, logits.device_mesh, placements, src_data_rank=None)

@@ -180,7 +180,7 @@ def sizes(recipe) -> Sizes:
         kv_width=kv_pair // 2,
         kv_pair=kv_pair,
         inter=m.intermediate_size // p.tp,
-        vocab=m.vocab_size // p.tp,
+        vocab=m.padded_vocab_size // p.tp,
         heads=heads,
         compute=2 if t.dtype == "bfloat16" else FP32,
         act=2 if t.dtype == "bfloat16" and p.fsdp_enabled else FP32,

@@ -89,12 +89,12 @@ def _mlp_shapes(prefix: str, h: int, inter: int, bias: bool) -> dict[str, tuple[
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """name -> shape of every parameter of the whole single-device model, in
     `named_parameters()` order (a tied head is the embedding, listed once)."""
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+    out = {"model.embed_tokens.weight": (cfg.padded_vocab_size, cfg.hidden_size)}
     for i in range(cfg.num_hidden_layers):
         out |= {f"model.layers.{i}.{name}": shape for name, shape in _layer_shapes(cfg, i).items()}
     out["model.norm.weight"] = (cfg.hidden_size,)
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        out["lm_head.weight"] = (cfg.padded_vocab_size, cfg.hidden_size)
     return out
 
 
@@ -162,5 +162,5 @@ def flops_per_token(cfg, seq_len: int) -> float:
     if cfg.mla:  # the projections' matrices and biases (norms excluded, as above); q.k over qk, p.v over v
         attention = sum(math.prod(s) for n, s in _mla_shapes(cfg).items() if "norm" not in n)
         scores = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-    dense = L * attention + ffn_total + h * cfg.vocab_size  # the head counts, the lookup not
+    dense = L * attention + ffn_total + h * cfg.padded_vocab_size  # the head counts (its padding too), the lookup not
     return 6 * dense + 6 * L * scores * seq_len

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import PARITY, ROOT, cli, cli_process, one_error_line, prepare_packed
+from helpers import PARITY, ROOT, cli, one_error_line, prepare_packed
 
 from dtensor3d.config.checks import validate
 from dtensor3d.config.load import load_recipe, parse_override, recipe_from_dict
@@ -892,5 +892,5 @@ def test_smollm2_continue_without_init_from_hf_says_the_recipe_needs_it(tmp_path
     the error says to give checkpoint.init_from_hf=DIR (not to raise model.vocab_size)."""
     data = prepare_packed(tmp_path)  # byte tokenizer: 264 tokens > the default model's 256
     recipe = str(ROOT / "recipes" / "smollm2_continue.yaml")
-    line = one_error_line(cli_process("validate", recipe, f"data.path={data}"))
+    line = one_error_line(cli("validate", recipe, f"data.path={data}"))
     assert "checkpoint.init_from_hf=DIR" in line and "no `model` section" in line, line
