@@ -175,16 +175,22 @@ class Dtensor3dLM(TemplateLM):
         """Each text's total log-probability over disjoint windows of max_length tokens (HFLM's split)."""
         from lm_eval import utils
 
-        out = []
+        counts, windows = [], []
         for req in requests:
-            windows = utils.get_rolling_token_windows(
+            found = utils.get_rolling_token_windows(
                 token_list=self.tok_encode(req.args[0]),
                 prefix_token=self.prefix_token_id,
                 max_seq_len=self.max_length,
                 context_len=1,
             )
-            windows = [(None, *utils.make_disjoint_window(w)) for w in windows]
-            out.append(sum(score for score, _ in self._loglikelihood_tokens(windows)))
+            found = [(None, *utils.make_disjoint_window(w)) for w in found]
+            counts.append(len(found))
+            windows += found
+        scores = [score for score, _ in self._loglikelihood_tokens(windows)]  # every window batched together
+        out, start = [], 0
+        for req, n in zip(requests, counts, strict=True):
+            out.append(sum(scores[start : start + n]))
+            start += n
             if self.cache_hook is not None:
                 self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), out[-1])
         return out
