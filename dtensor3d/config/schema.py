@@ -105,6 +105,17 @@ class ModelConfig:
     qk_rope_head_dim: int = knob(8, "MLA: per-head query/key width with RoPE (the key part shared by all heads)")
     v_head_dim: int = knob(16, "MLA: per-head value width", positive=True)
     rope_interleave: bool = knob(True, "MLA: the RoPE part's pairs are interleaved (DeepSeek's layout)")
+    num_nextn_predict_layers: int = knob(
+        0,
+        "multi-token prediction depths D (DeepSeek-V3's MTP modules, HF's name): depth k predicts the token k+1 "
+        "ahead; loss = CE_main + (mtp_loss_weight / D) * sum of CE_k; 0: off",
+    )
+    mtp_loss_weight: float = knob(0.3, "MTP: lambda, the weight of the MTP losses' mean (DeepSeek-V3's early value)")
+    mtp_hidden: Literal["pre_norm", "post_norm"] = knob(
+        "pre_norm",
+        "MTP: depth 1 reads the last decoder layer's output before the final norm (pre_norm: torchtitan's "
+        "training code) or after it (post_norm: the hidden states vLLM's and SGLang's MTP read)",
+    )
 
     def __post_init__(self):
         if self.head_dim is None and self.mla:  # as transformers' DeepseekV3Config: the RoPE part's width
@@ -302,6 +313,11 @@ class LoggingConfig:
     layout: bool = knob(False, "<run_dir>/layout/rank<R>.json: how each rank holds every parameter")
     expert_load_warn: float = knob(4.0, "warn when a MoE layer's max/mean tokens per expert stays above this; 0: never")
     expert_load_warn_steps: int = knob(20, "...for this many consecutive steps", positive=True)
+    peak_tflops: float | None = knob(
+        None, "the device's peak TFLOP/s for `mfu` (default: the GPU table's bf16 dense figure; none on CPU)"
+    )
+    straggler_ratio: float = knob(0.0, "warn when a rank's step time stays above this x the ranks' median; 0: never")
+    straggler_steps: int = knob(5, "...for this many consecutive steps", positive=True)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from ..parallel.comm import count_step
 from ..parallel.shards import write_layout
 from . import faults
 from .evaluate import eval_due, validation_loss
-from .metrics import MetricsLog, flops_per_token, mfu, peak_flops, peak_memory_gib
+from .metrics import MetricsLog, Stragglers, flops_per_token, mfu, peak_flops, peak_memory_gib, step_times
 from .profiling import StepProfiler
 from .skip import SkippedSteps
 
@@ -113,17 +113,26 @@ class MetricsLogging(StepHook):
         self.log = MetricsLog(recipe, enabled=is_rank0(), resume=state.step)
         self.tokens_per_step = t.global_batch_size * t.sequence_length
         self.flops_per_token = flops_per_token(recipe.model, t.sequence_length)
-        self.peak_flops = peak_flops(state.device)
+        given = recipe.logging.peak_tflops
+        self.peak_flops = given * 1e12 if given else peak_flops(state.device)
+        self.stragglers = Stragglers(recipe.logging.straggler_ratio, recipe.logging.straggler_steps)
 
     def after_step(self, state, metrics: dict, seconds: float) -> None:
         recipe = state.recipe
+        times = step_times(seconds, state.device)  # every step, every rank: the straggler streaks
+        for line in self.stragglers.see(state.step, times):
+            if is_rank0():
+                print(line, flush=True)
         due = not state.step % recipe.logging.every or state.step == recipe.training.steps
         if not due and "val_loss" not in metrics and not metrics.get("skipped"):  # a skipped step: always
             return
-        tps = self.tokens_per_step / seconds
-        utilisation = mfu(tps, self.flops_per_token, self.peak_flops, dist.get_world_size())
+        tps, ranks = self.tokens_per_step / seconds, dist.get_world_size()
+        utilisation = mfu(tps, self.flops_per_token, self.peak_flops, ranks)
         memory = peak_memory_gib(state.device)
         metrics.update(tokens_per_sec=tps, ms_per_step=1000 * seconds, peak_mem_gib=memory, mfu=utilisation)
+        slowest = max(range(len(times)), key=times.__getitem__)
+        metrics.update(tflops=tps * self.flops_per_token / ranks / 1e12, step_ms_max=1000 * times[slowest])
+        metrics.update(step_ms_min=1000 * min(times), slowest_rank=slowest)
         self.log.log(metrics)
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import resource
+import statistics
 import sys
 import time
 
@@ -32,6 +33,38 @@ def mfu(tokens_per_sec: float, token_flops: float, peak: float | None, ranks: in
     """Model FLOPs utilisation: the model's FLOP/s over the peak of `ranks` devices (None
     without a peak: CPU, or a GPU plan's table does not list)."""
     return tokens_per_sec * token_flops / (peak * ranks) if peak else None
+
+
+def step_times(seconds: float, device: torch.device) -> list[float]:
+    """Every rank's train-step seconds, by rank: one all-gather of one number (every rank calls it)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [float(t) for t in parts]
+
+
+class Stragglers:
+    """logging.straggler_ratio / straggler_steps: a rank whose step takes more than ratio x the
+    median of the ranks' for `steps` steps in a row gets one warning line (ratio 0: never)."""
+
+    def __init__(self, ratio: float, steps: int):
+        self.ratio, self.steps, self.streak = ratio, steps, {}
+
+    def see(self, step: int, times: list[float]) -> list[str]:
+        """The warning lines this step's times (by rank) complete."""
+        if not self.ratio:
+            return []
+        median = statistics.median(times)
+        slow = [r for r, t in enumerate(times) if t > self.ratio * median]
+        self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
+        return [
+            f"warning: step {step}: rank {r} is a straggler: {1000 * times[r]:.1f} ms per step, over "
+            f"logging.straggler_ratio={self.ratio} x the ranks' median {1000 * median:.1f} ms for {self.steps} steps"
+            for r in slow
+            if self.streak[r] == self.steps
+        ]
 
 
 def peak_memory_gib(device: torch.device) -> float:

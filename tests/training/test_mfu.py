@@ -41,3 +41,32 @@ def test_bench_throughput_prints_mfu_on_cuda(tmp_path):
     assert f"MFU {100 * expected:5.1f}%" in line, line
     assert "MFU n/a" in throughput.report("eager fp32", {"step_s": 0.5}, recipe, "cuda", None)
     assert "MFU" not in throughput.report("eager fp32", {"step_s": 0.5}, recipe, "cpu", None)
+
+
+def test_straggler_named_once_after_its_streak():
+    """logging.straggler_ratio=2, straggler_steps=3: rank 2 at 3.5x the median for 3 steps in a
+    row gets one warning line at the third (not before, not again while the streak goes on);
+    a step back under the ratio restarts the count; ratio 0 never warns."""
+    from dtensor3d.training.metrics import Stragglers
+
+    watch, slow, even = Stragglers(2.0, 3), [0.1, 0.1, 0.35, 0.1], [0.1, 0.1, 0.1, 0.1]
+    lines = [watch.see(step, times) for step, times in enumerate([slow, slow, slow, slow, even, slow], start=1)]
+    assert [len(x) for x in lines] == [0, 0, 1, 0, 0, 0]
+    assert "step 3: rank 2 is a straggler: 350.0 ms per step" in lines[2][0] and "median 100.0 ms" in lines[2][0]
+    assert lines[2][0].startswith("warning:")
+    assert Stragglers(0.0, 1).see(1, slow) == []
+
+
+def test_tflops_and_step_times_in_the_records(parity_reference):
+    """The 1-process parity run: tflops = plan's FLOPs per token x tokens/s (1 rank), mfu null on
+    CPU without logging.peak_tflops, and one rank's step time is max, min and its ms_per_step."""
+    from helpers import PARITY
+
+    from dtensor3d.config.load import load_recipe
+
+    recipe = load_recipe(PARITY)
+    per_token = flops_per_token(recipe.model, recipe.training.sequence_length)
+    for r in parity_reference:
+        assert r["tflops"] == pytest.approx(r["tokens_per_sec"] * per_token / 1e12, rel=1e-12)
+        assert r["mfu"] is None
+        assert r["step_ms_max"] == r["step_ms_min"] == r["ms_per_step"] and r["slowest_rank"] == 0
