@@ -113,8 +113,16 @@ def _same(a, b) -> bool:
 def check_hf_init(recipe) -> dict[str, str]:
     """checkpoint.init_from_hf against the recipe's model; returns the tensor index."""
     hf_dir = recipe.checkpoint.init_from_hf
-    theirs = read_hf_config(hf_dir, "checkpoint.init_from_hf")
+    theirs, m = read_hf_config(hf_dir, "checkpoint.init_from_hf"), recipe.model
+    if m.padded_vocab_size != m.vocab_size:  # its tensors have vocab_size rows, not the padded count
+        raise CheckpointError(
+            f"checkpoint.init_from_hf={hf_dir!r}: model.pad_vocab_to_multiple_of={m.pad_vocab_to_multiple_of} pads "
+            f"vocab_size={m.vocab_size} to {m.padded_vocab_size} rows, which the directory's tensors do not hold; "
+            "set model.pad_vocab_to_multiple_of: null (starting a padded model from Hugging Face is not supported)"
+        )
     for f in dataclasses.fields(ModelConfig):
+        if f.name == "pad_vocab_to_multiple_of":  # not a config.json key; no rows added (checked above)
+            continue
         if not _same(getattr(theirs, f.name), getattr(recipe.model, f.name)):
             raise CheckpointError(
                 f"checkpoint.init_from_hf={hf_dir!r}: config.json has {f.name}="

@@ -8,7 +8,7 @@ import json
 
 import torch
 import transformers
-from helpers import PARITY, cli, one_error_line, scheduled_lrs, short, train_metrics
+from helpers import PARITY, TINY_HF_LLAMA, cli, one_error_line, scheduled_lrs, short, train_metrics
 
 from dtensor3d.checkpoint import load_model
 from dtensor3d.config.load import load_recipe
@@ -91,3 +91,14 @@ def test_generate_never_yields_a_padding_id():
     for temperature in (0.0, 1.0):
         ids = list(generate_ids(model, [1, 2, 3], 40, temperature=temperature, seed=3))
         assert len(ids) == 40 and max(ids) < 257, ids
+
+
+def test_init_from_hf_into_a_padded_vocabulary_is_refused_in_one_line(tmp_path):
+    """A Hugging Face directory holds vocab_size rows: padding them is refused at the door, naming the key."""
+    cfg = transformers.LlamaConfig(**{**TINY_HF_LLAMA, "vocab_size": 255})
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    model = ["model.vocab_size=255", "model.rope_theta=271828.0", "model.rms_norm_eps=1e-5"]
+    init = f"checkpoint.init_from_hf={tmp_path / 'hf'}"
+    line = one_error_line(cli("validate", PARITY, init, *model, "model.pad_vocab_to_multiple_of=64"))
+    assert "model.pad_vocab_to_multiple_of=64 pads vocab_size=255 to 256 rows" in line, line
+    assert cli("validate", PARITY, init, *model).returncode == 0
