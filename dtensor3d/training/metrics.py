@@ -83,6 +83,9 @@ TB_TAGS = {
     "tokens_per_sec": "perf/tokens_per_sec",
     "ms_per_step": "perf/ms_per_step",
     "mfu": "perf/mfu",
+    "tflops": "perf/tflops",
+    "step_ms_max": "perf/step_ms_max",
+    "step_ms_min": "perf/step_ms_min",
     "peak_mem_gib": "memory/peak_gib",
     "aux_loss": "moe/aux_loss",
     "expert_load_max_over_mean": "moe/expert_load_max_over_mean",
@@ -145,8 +148,13 @@ def console_line(record: dict, elapsed: float, eta: float | None) -> str:
         parts.append(f"aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max_over_mean']:.2f}")
     if record.get("skipped"):
         parts.insert(1, f"skipped ({record['skip_reason']}: no optimizer step)")
+    if record.get("tflops") is not None:
+        parts.append(f"tflops {record['tflops']:.3g}")
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if record.get("step_ms_max", 0) > record.get("step_ms_min", 0):  # more than one rank
+        low, high = record["step_ms_min"], record["step_ms_max"]
+        parts.append(f"rank ms {low:.0f}-{high:.0f} (slowest {record['slowest_rank']})")
     parts.append(f"elapsed {_hms(elapsed)}" + (f" eta {_hms(eta)}" if eta is not None else ""))
     return " | ".join(parts)
 
