@@ -41,6 +41,11 @@ METRICS = {
     "slowest_rank": ("always", "the rank whose step took step_ms_max"),
     "val_loss": ("`training.eval_every` steps", "the validation loss over `training.eval_batches`"),
     "val_ppl": ("`training.eval_every` steps", "exp(val_loss)"),
+    "loss/main": (
+        "`model.num_nextn_predict_layers` > 0",
+        "the main model's loss; `loss/mtp_1` .. `loss/mtp_D` beside it are each MTP depth's (loss = main + "
+        "mtp_loss_weight / D x their sum)",
+    ),
     "loss/<name>": ("a data mixture", "the loss of that source's samples in the step (token-weighted)"),
     "tokens/<name>": ("a data mixture", "the counted tokens of that source in the step"),
     "aux_loss": ("a model with experts", "the router's auxiliary load-balancing loss"),

@@ -97,6 +97,7 @@ QUICK_FILES = {
     "test_docs.py",
     "test_hf_defaults.py",
     "test_vocab_padding.py",
+    "test_mtp.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {
@@ -126,6 +127,7 @@ SLOW_IN_QUICK_FILES = {
     "test_validate_names_a_changed_offsets_or_mask_file_of_a_real_prepare_data",  # 5 processes, ~30 s
     "test_tflops_and_step_times_in_the_records",  # the shared 1-process parity run
     "test_padded_run_at_tp2_equals_the_unpadded_world_1_run",
+    "test_mtp_dp2_matches_world_1",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 

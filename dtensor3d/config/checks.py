@@ -10,6 +10,7 @@ from ..errors import RecipeError
 from .data_sources import mixture_problem
 from .families import FAMILIES, rope_problem
 from .moe_checks import validate_experts, validate_mla
+from .mtp_checks import validate_mtp
 from .schema import POSITIVE, V_SCHEDULES, ModelConfig, OptimizerConfig, ParallelismConfig, Recipe
 
 
@@ -40,6 +41,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_decay(o, recipe.training.steps)
     _validate_rest(recipe)
     _validate_family(recipe)
+    validate_mtp(recipe)
 
 
 def _validate_family(recipe: Recipe) -> None:

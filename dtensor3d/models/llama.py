@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from .layers import MLP, KVCache, ModelHooks, RMSNorm, cached_attention, mask_padded_vocab, recompute_context
 from .mla import MultiHeadLatentAttention
 from .moe import MoE
+from .mtp import make_mtp_layer, mtp_forward
 from .rope import apply_rope, inv_freq, rope_tables
 
 
@@ -158,14 +159,25 @@ class LlamaModel(nn.Module):
             {str(i): DecoderLayer(cfg, hooks, moe=cfg.is_moe_layer(i), index=i) for i in range(cfg.num_hidden_layers)}
         )
         self.norm = _norm(cfg, cfg.hidden_size)
+        n, depth = cfg.num_hidden_layers, cfg.num_nextn_predict_layers  # MTP modules (models/mtp.py), or None
+        self.mtp = (
+            nn.ModuleDict({str(i): make_mtp_layer(DecoderLayer, _norm, cfg, hooks, i) for i in range(n, n + depth)})
+            if depth
+            else None
+        )
 
-    def forward(self, h: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cache: KVCache | None = None, keep: list | None = None, **docs: torch.Tensor
+    ) -> torch.Tensor:
+        """`keep`: a list that receives the last decoder layer's output, before the final norm (MTP)."""
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)  # [b, s] -> [b, s, hidden]
             if self.cfg.embed_scale:  # Gemma 3: times sqrt(hidden), rounded to the weights' dtype
                 h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)
         for layer in self.layers.values():
             h = layer(h, **docs) if cache is None else layer(h, cache)
+        if keep is not None:
+            keep.append(h)
         if self.norm is not None:
             h = self.norm(h)
         return h
@@ -199,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         if cache is None:
             given = {"position_ids": position_ids, "document_ids": document_ids}
             docs = {key: t for key, t in given.items() if t is not None}
+            if self._mtp_active():
+                return self._with_mtp(input_ids, docs)
             h = self.model(input_ids, **docs)
         else:
             h = self.model(input_ids, cache)
@@ -206,6 +220,19 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return h
         return mask_padded_vocab(self.lm_head(h), self.cfg.vocab_size, self.hooks)  # [b, s, padded vocab]
+
+    def _mtp_active(self) -> bool:
+        """MTP runs in training only (a grad-enabled forward in train mode); validation, eval and
+        generate see the main model's logits alone."""
+        return self.model.mtp is not None and self.training and torch.is_grad_enabled()
+
+    def _with_mtp(self, input_ids: torch.Tensor, docs: dict) -> torch.Tensor:
+        """[b, s, 1 + D, padded vocab]: the main logits, then each MTP depth's (models/mtp.py)."""
+        keep: list = []
+        h = self.model(input_ids, keep=keep, **docs)
+        h0 = keep[0] if self.cfg.mtp_hidden == "pre_norm" else h
+        hs = [h, *mtp_forward(self.model, input_ids, h0, **docs)]
+        return torch.stack([mask_padded_vocab(self.lm_head(x), self.cfg.vocab_size, self.hooks) for x in hs], dim=2)
 
     def keep_only(self, layers: range, first: bool, last: bool) -> LlamaForCausalLM:
         """Turn this model into one pipeline stage: `layers` (global indices), plus the
@@ -216,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
         if not first:
             self.model.embed_tokens = None
         if not last:
+            self.model.mtp = None
             self.model.norm = None
             self.lm_head = None
         return self

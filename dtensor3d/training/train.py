@@ -33,7 +33,7 @@ from ..parallel import context, data, expert, pipeline, tensor, tied
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
-from . import balance, faults, hooks, skip
+from . import balance, faults, hooks, mtp_loss, skip
 from .optim import build_optimizer, clip_, grad_sq_partial, replication
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
@@ -62,6 +62,7 @@ class TrainState:
     loss_rows: list[torch.Tensor] | None = None  # a data mixture: each row's [loss sum, tokens] (make_loss_fn)
     source_names: tuple[str, ...] = ()  # a data mixture: its sources, as batches index them
     load_streaks: dict[int, int] = field(default_factory=dict)  # MoE layer -> steps over the load warning
+    mtp_parts: list = field(default_factory=list)  # MTP: the step's [main, CE_1..CE_D] rows (training/mtp_loss.py)
 
     @property
     def is_last_stage(self) -> bool:
@@ -106,6 +107,9 @@ def setup(recipe: Recipe) -> TrainState:
     t, p = recipe.training, recipe.parallelism
     loss_rows = [] if recipe.data.sources is not None or recipe.data.stages is not None else None
     loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length, loss_rows)
+    mtp_parts: list = []  # model.num_nextn_predict_layers: each microbatch's [main, CE_1..CE_D] (training/mtp_loss.py)
+    if recipe.model.num_nextn_predict_layers:
+        loss_fn = mtp_loss.wrap_loss_fn(loss_fn, recipe.model, t.global_batch_size * t.sequence_length, mtp_parts)
     schedule = pipeline.build_schedule(parts, mesh, device, p, recipe.num_microbatches, loss_fn)
     optimizer = build_optimizer([model], recipe.optimizer)
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
@@ -113,6 +117,7 @@ def setup(recipe: Recipe) -> TrainState:
     share = [tied.norm_share(recipe, model.cfg, n) / replication(q, dist.get_world_size(), p.pp) for n, q in named]
     state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, share)
     state.tied_copies = tied.tied_grads(recipe, model, mesh)
+    state.mtp_parts = mtp_parts
     if loss_rows is not None:  # the mixture's sources, in make_source's order (Mixture.names)
         state.loss_rows, state.source_names = loss_rows, tuple(s.name for _, s in unique_sources(recipe.data))
     checkpoint.load_at_start(state)  # resume (model, optimizer, step, RNG) or Hugging Face init
@@ -174,7 +179,7 @@ def train_step(
     state.optimizer.zero_grad(set_to_none=True)
     if state.loss_rows is not None:
         state.loss_rows.clear()  # validation's rows too, since the last step
-    loss_sum = renormalise(state, forward_backward(state, *batch), loss_tokens)
+    loss_sum = renormalise(state, forward_backward(state, *mtp_loss.expand_batch(recipe, batch)), loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
     tied.sync_tied_grads(state.tied_copies)  # a tied embedding's copies on the first and last stage
@@ -207,6 +212,8 @@ def train_step(
     if recipe.model.num_local_experts:
         _moe_metrics(state, metrics, stats[2 : 2 + len(moe)])
     metrics.update(source_metrics(stats[2 + len(moe) :].view(-1, 2), state.source_names))
+    if recipe.model.num_nextn_predict_layers:
+        metrics.update(mtp_loss.step_metrics(recipe, state.mtp_parts, reports_loss, loss_tokens, state.device))
     return metrics
 
 

@@ -1,0 +1,72 @@
+"""Multi-token prediction (DeepSeek-V3's MTP modules), single-device code.
+
+Depth k (1..D), at position i: h'_i = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)]), then one
+decoder block of the family's kind on h', then shared_head.norm, then the main model's head
+(shared, not a copy), predicting t_{i+k+1}. The concatenation order (embedding first) is the
+one vLLM's `deepseek_mtp.py` and torchtitan's `models/deepseek_v3/mtp.py` load the released
+weights with. h^0 follows `model.mtp_hidden`: `pre_norm` is the last decoder layer's output
+before the final norm (torchtitan's training code, followed by default), `post_norm` after it
+(the hidden states vLLM's and SGLang's MTP read). Depth k > 1 reads depth k-1's output after
+its shared_head.norm, as torchtitan chains them.
+
+Parameter names follow the released checkpoint's: model.layers.{N+k-1}.{enorm, hnorm, eh_proj,
+shared_head.norm} and the block's own tensors; here they live under `model.mtp.{N+k-1}`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IGNORE = -100  # cross_entropy's default ignore_index (data.IGNORE)
+
+
+class SharedHead(nn.Module):
+    """DeepSeek's `shared_head`: its norm; the head itself is the main model's lm_head."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+
+def make_mtp_layer(block_cls, norm, cfg, hooks, index: int) -> nn.Module:
+    """One MTP module: a decoder block (`block_cls`, the family's kind) with DeepSeek's extra
+    enorm, hnorm, eh_proj and shared_head.norm as attributes beside the block's own."""
+    layer = block_cls(cfg, hooks, moe=cfg.is_moe_layer(index), index=index)
+    layer.enorm, layer.hnorm = norm(cfg, cfg.hidden_size), norm(cfg, cfg.hidden_size)
+    layer.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+    layer.shared_head = SharedHead(norm(cfg, cfg.hidden_size))
+    return layer
+
+
+def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """x[:, i + k] at i, `fill` where i + k falls outside the window."""
+    out = torch.full_like(x, fill)
+    out[:, : x.shape[1] - k] = x[:, k:]
+    return out
+
+
+def mtp_forward(model, input_ids: torch.Tensor, h0: torch.Tensor, **docs: torch.Tensor) -> list[torch.Tensor]:
+    """The MTP depths' hidden states after their shared_head.norm, [b, s, hidden] each.
+    `model`: the LlamaModel (embed_tokens, mtp); `h0` per model.mtp_hidden."""
+    h, outs = h0, []
+    for k, layer in enumerate(model.mtp.values(), start=1):
+        emb = model.embed_tokens(shift_left(input_ids, k, 0))  # Emb(t_{i+k}); t past the window: masked targets
+        h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))  # embedding first (vLLM, torchtitan)
+        h = layer.shared_head.norm(layer(h, **docs))
+        outs.append(h)
+    return outs
+
+
+def mtp_targets(targets: torch.Tensor, depth: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s, 1 + depth]: the main targets, then depth k's (t_{i+k+1} = targets[i+k]), IGNORE where
+    i + k leaves the window or (packed documents) crosses into another document. A masked target
+    (IGNORE) stays masked at every depth."""
+    cols = [targets]
+    for k in range(1, depth + 1):
+        t = shift_left(targets, k, IGNORE)
+        if document_ids is not None:
+            same = shift_left(document_ids, k, -1) == document_ids
+            t = torch.where(same, t, torch.full_like(t, IGNORE))
+        cols.append(t)
+    return torch.stack(cols, dim=-1)
