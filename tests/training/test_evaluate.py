@@ -150,3 +150,22 @@ def test_dp2_under_torchrun_equals_world_1(checkpoint):
     one = evaluate(lm, TASKS, TaskManager(include_path=TASKS_DIR), limit=6, log_samples=True)
     requests, worst, metric_worst = _compare(json.loads(out.read_text()), one)  # batches differ: sums reordered
     assert requests == 6 * 4 + 6 + 6 and worst <= 1e-5 and metric_worst <= 1e-5, (requests, worst, metric_worst)
+
+
+def test_smollm2_equals_hflm_on_the_export(smollm2, tmp_path):
+    """The real SmolLM2-135M weights and tokenizer: import-hf, export-hf, then the same tasks
+    (4 documents each) through both backends."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from dtensor3d.harness import Dtensor3dLM, evaluate
+
+    assert main(["import-hf", str(smollm2), str(tmp_path / "ck")]) == 0
+    assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "export")]) == 0
+    lms = (
+        Dtensor3dLM(pretrained=str(tmp_path / "ck"), batch_size=4),
+        HFLM(pretrained=str(tmp_path / "export"), dtype="float32", batch_size=4, device="cpu"),
+    )
+    ours, theirs = (evaluate(lm, TASKS, TaskManager(include_path=TASKS_DIR), limit=4, log_samples=True) for lm in lms)
+    requests, worst, metric_worst = _compare(ours, theirs)
+    assert requests == 4 * 4 + 4 + 4 and worst <= 1e-5 and metric_worst <= 1e-5, (requests, worst, metric_worst)
