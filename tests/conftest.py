@@ -126,6 +126,7 @@ SLOW_IN_QUICK_FILES = {
     "test_document_masking_parity_across_meshes",
     "test_validate_names_a_changed_offsets_or_mask_file_of_a_real_prepare_data",  # 5 processes, ~30 s
     "test_tflops_and_step_times_in_the_records",  # the shared 1-process parity run
+    "test_mfu_is_tflops_over_the_given_peak",  # a 1-process training run
     "test_padded_run_at_tp2_equals_the_unpadded_world_1_run",
     "test_mtp_dp2_matches_world_1",
 }

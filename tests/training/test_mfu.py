@@ -70,3 +70,12 @@ def test_tflops_and_step_times_in_the_records(parity_reference):
         assert r["tflops"] == pytest.approx(r["tokens_per_sec"] * per_token / 1e12, rel=1e-12)
         assert r["mfu"] is None
         assert r["step_ms_max"] == r["step_ms_min"] == r["ms_per_step"] and r["slowest_rank"] == 0
+
+
+def test_mfu_is_tflops_over_the_given_peak(reference, parity_reference):
+    """logging.peak_tflops on CPU: mfu = tflops / peak in every record; the losses are the run's
+    without it (the all-gather of step times and the straggler watch change nothing)."""
+    records = reference(["logging.peak_tflops=0.001", "logging.straggler_ratio=1000"])
+    for r, base in zip(records, parity_reference, strict=True):
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.001, rel=1e-12)
+        assert r["loss"] == base["loss"]
