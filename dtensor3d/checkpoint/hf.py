@@ -50,7 +50,18 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
 
 
 def read_hf_config(hf_dir: str, what: str) -> ModelConfig:
-    return config_from_hf(read_config_json(hf_dir, what), os.path.join(hf_dir, "config.json"))
+    cfg = config_from_hf(read_config_json(hf_dir, what), os.path.join(hf_dir, "config.json"))
+    return _mtp_present(hf_dir, cfg) if cfg.num_nextn_predict_layers else cfg
+
+
+def _mtp_present(hf_dir: str, cfg: ModelConfig) -> ModelConfig:
+    """num_nextn_predict_layers: the MTP layers the directory holds (model.layers.{N+k-1}.eh_proj):
+    transformers' save_pretrained writes the config's count (1 by default) and no such tensors."""
+    names, n = _weight_map(hf_dir), cfg.num_hidden_layers
+    held = next(
+        (k for k in range(cfg.num_nextn_predict_layers) if f"model.layers.{n + k}.eh_proj.weight" not in names), None
+    )
+    return cfg if held is None else dataclasses.replace(cfg, num_nextn_predict_layers=held)
 
 
 # ---------------------------------------------------------------- a Hugging Face directory's tensors
@@ -94,13 +105,21 @@ def hf_index(hf_dir: str, cfg) -> dict[str, str]:
 
 def _prediction_layer(name: str, cfg) -> bool:
     """DeepSeek-V3's and GLM-4.5's multi-token prediction layers (model.layers.N.* for N >=
-    num_hidden_layers), which their transformers classes do not load either."""
+    num_hidden_layers) that the model does not read: those past model.num_nextn_predict_layers
+    (transformers reads none), and the read ones' copies of the embedding and the head."""
     parts = name.split(".")
     return (
         FAMILIES[cfg.family].prediction_layers
         and parts[:2] == ["model", "layers"]
         and int(parts[2]) >= cfg.num_hidden_layers
+        and (
+            int(parts[2]) >= cfg.num_hidden_layers + cfg.num_nextn_predict_layers or ".".join(parts[3:-1]) in MTP_COPIES
+        )
     )
+
+
+# An MTP layer's copies of the embedding and the head (DeepSeek-V3's checkpoint): ours are the main model's.
+MTP_COPIES = ("embed_tokens", "shared_head.head")
 
 
 def _same(a, b) -> bool:
@@ -121,7 +140,7 @@ def check_hf_init(recipe) -> dict[str, str]:
             "set model.pad_vocab_to_multiple_of: null (starting a padded model from Hugging Face is not supported)"
         )
     for f in dataclasses.fields(ModelConfig):
-        if f.name == "pad_vocab_to_multiple_of":  # not a config.json key; no rows added (checked above)
+        if f.name in ("pad_vocab_to_multiple_of", "mtp_loss_weight", "mtp_hidden"):  # not config.json keys
             continue
         if not _same(getattr(theirs, f.name), getattr(recipe.model, f.name)):
             raise CheckpointError(

@@ -59,10 +59,11 @@ def _family_fields(cfg, name: str) -> dict:
         out.update(n_routed_experts=cfg.num_local_experts, moe_intermediate_size=cfg.expert_intermediate_size)
         out.update(first_k_dense_replace=_dense_layers(cfg), num_nextn_predict_layers=0, output_router_logits=False)
         out["num_mtp_layers"] = 0
-    if name == "deepseek_v3":  # no multi-token prediction layers
+    if name == "deepseek_v3":  # its MTP layers under model.layers.{N+k-1} (transformers ignores them)
         out.update({key: getattr(cfg, key) for key in (*MLA_DEFAULTS, *DEEPSEEK_MOE_KEYS)})
         out.update(n_routed_experts=cfg.num_local_experts, moe_intermediate_size=cfg.expert_intermediate_size)
-        out.update(first_k_dense_replace=_dense_layers(cfg), num_nextn_predict_layers=0, output_router_logits=False)
+        out.update(first_k_dense_replace=_dense_layers(cfg), output_router_logits=False)
+        out["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
     return out
 
 

@@ -25,7 +25,9 @@ from .slices import SliceReader, full_index
 HF_SINGLE, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Our stacked experts [E, in, out] <-> one Linear weight [out, in] per expert there.
-EXPERTS_RE = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(w[123])$")
+EXPERTS_RE = re.compile(r"^(model\.(?:layers|mtp)\.\d+)\.block_sparse_moe\.experts\.(w[123])$")
+# Our MTP modules (models/mtp.py) are model.mtp.{i}; there, model.layers.{i} past the last layer (DeepSeek-V3).
+MTP, LAYERS = "model.mtp.", "model.layers."
 # Each stacked tensor's projection by the family's MoE name (Family.hf_moe): Mixtral's w1/w2/w3,
 # or gate_proj/down_proj/up_proj (Qwen3-MoE, DeepSeek-V3, under `mlp`).
 PROJ = {"block_sparse_moe": {}, "mlp": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}}
@@ -54,6 +56,7 @@ class HFNames:
         self.moe = FAMILIES[family].hf_moe
 
     def plain(self, name: str) -> str:
+        name = LAYERS + name[len(MTP) :] if name.startswith(MTP) else name
         if self.moe == "block_sparse_moe":
             return name
         return name.replace(".block_sparse_moe.shared_expert.", ".mlp.shared_experts.").replace(
@@ -65,8 +68,8 @@ class HFNames:
         m = EXPERTS_RE.match(name)
         if not m:
             return None
-        proj = PROJ[self.moe].get(m[2], m[2])
-        return [f"{m[1]}.{self.moe}.experts.{e}.{proj}.weight" for e in range(count)]
+        proj, layer = PROJ[self.moe].get(m[2], m[2]), self.plain(m[1])
+        return [f"{layer}.{self.moe}.experts.{e}.{proj}.weight" for e in range(count)]
 
 
 # ---------------------------------------------------------------- names and shapes
@@ -142,7 +145,7 @@ class HFSlices(SliceReader):
         if not m:
             return None
         proj = PROJ[self.names.moe].get(m[2], m[2])
-        prefix = f"{m[1]}.{self.names.moe}.experts."
+        prefix = f"{self.names.plain(m[1])}.{self.names.moe}.experts."
         count = sum(1 for n in self.index if n.startswith(prefix) and n.endswith(f".{proj}.weight"))
         return self.names.experts(name, count)
 

@@ -321,31 +321,6 @@ def test_deepseek_v3_full_query_logits_equal_transformers(tmp_path):
         assert relative(load_model(tmp_path)(ids), hf(ids).logits) <= 1e-5
 
 
-def test_deepseek_v3_prediction_layers_ignored_as_transformers_does(tmp_path):
-    """A DeepSeek-V3 directory with multi-token prediction weights (num_nextn_predict_layers: 1,
-    model.layers.<num_hidden_layers>.*): transformers' DeepseekV3ForCausalLM loads without
-    them, and so do load_model and import-hf (same logits); export writes none."""
-    from safetensors.torch import load_file, save_file
-
-    torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(**{**BASE, **MLA}, num_nextn_predict_layers=1)
-    )
-    hf.float().eval().save_pretrained(tmp_path / "hf")
-    tensors = load_file(tmp_path / "hf" / "model.safetensors")
-    tensors |= {"model.layers.2.eh_proj.weight": torch.randn(64, 128), "model.layers.2.enorm.weight": torch.ones(64)}
-    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
-    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0
-    assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "out")]) == 0
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
-    with torch.no_grad():
-        ref = back(ids).logits
-        assert relative(load_model(tmp_path / "hf")(ids), ref) <= 1e-5
-        assert relative(load_model(tmp_path / "ck")(ids), ref) <= 1e-5
-
-
 def test_qwen3_moe_switches_its_class_lacks_are_refused_on_export():
     """A Qwen3-MoE trained with aux-loss-free balancing holds a correction bias (and one with
     groups a group limit) that Qwen3MoeForCausalLM cannot: export-hf says so in one line;

@@ -9,6 +9,8 @@ shared_head.norm. It is not dtensor3d's MTP code.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,3 +161,150 @@ def test_mtp_dp2_matches_world_1(tmp_path):
         assert abs(a["loss"] - (a["loss/main"] + 0.3 * a["loss/mtp_1"])) <= 1e-6 * a["loss"]
         for key in ("loss", "loss/main", "loss/mtp_1", "grad_norm"):
             assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a[key], b[key])
+
+
+# ---------------------------------------------------------------- DeepSeek-V3's checkpoint layout
+
+DSV3 = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=123456.0,
+    tie_word_embeddings=False,
+    kv_lora_rank=20,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    v_head_dim=10,
+    first_k_dense_replace=1,  # layer 0 dense, layer 1 and the MTP blocks with experts
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+)
+
+
+def _dsv3_dir(root, depth: int):
+    """transformers' DeepseekV3ForCausalLM, every weight perturbed, plus MTP tensors under the
+    released names (random, away from their init): the block of each depth is a
+    DeepseekV3DecoderLayer's own state dict. Returns (hf model, {k: (block, enorm, hnorm, eh, norm)})."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(**DSV3, num_nextn_predict_layers=depth)
+    hf = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(root)
+    tensors, mods = load_file(root / "model.safetensors"), {}
+    for k in range(1, depth + 1):
+        i = cfg.num_hidden_layers + k - 1
+        block = DeepseekV3DecoderLayer(cfg, layer_idx=i).float().eval()
+        extra = {n: 1 + 0.1 * torch.randn(64) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+        extra["eh_proj.weight"] = torch.randn(64, 128) * 0.05
+        with torch.no_grad():  # a block built alone holds uninitialised memory: every value set here
+            for n, p in block.named_parameters():
+                p.copy_(
+                    (1.0 if n.endswith("norm.weight") else 0.0) + torch.randn_like(p) * (0.1 if p.ndim == 1 else 0.05)
+                )
+        extra |= _per_expert({n: t.detach().clone() for n, t in block.state_dict().items()})
+        extra["embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        extra["shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors |= {f"model.layers.{i}.{n}": t.contiguous() for n, t in extra.items()}
+        mods[k] = (block, extra)
+    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    return hf, mods
+
+
+def _per_expert(state: dict) -> dict:
+    """transformers 5's fused expert tensors (gate_up_proj [E, 2I, H], gate first; down_proj
+    [E, H, I]) as the checkpoint's per-expert names, which save_pretrained writes."""
+    gate_up, down = state.pop("mlp.experts.gate_up_proj"), state.pop("mlp.experts.down_proj")
+    inner = down.shape[2]
+    for e in range(down.shape[0]):
+        state[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :inner]
+        state[f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, inner:]
+        state[f"mlp.experts.{e}.down_proj.weight"] = down[e]
+    return state
+
+
+def _dsv3_reference(hf, mods, ids, targets, hidden: str) -> list[float]:
+    """Each depth's mean CE (over the positions with a target k+1 ahead), from the equations with
+    transformers' DeepseekV3DecoderLayer as the block; embedding first in the concatenation."""
+    kept = []
+    hook = hf.model.layers[-1].register_forward_hook(
+        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out)
+    )
+    out = hf.model(ids).last_hidden_state  # after the final norm
+    hook.remove()
+    prev = kept[0] if hidden == "pre_norm" else out
+    s, eps, losses = ids.shape[1], hf.config.rms_norm_eps, []
+    pos = torch.arange(s).unsqueeze(0)
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+    for k, (block, t) in mods.items():
+        nxt = torch.cat([ids[:, k:], torch.zeros_like(ids[:, :k])], dim=1)
+        emb = hf.model.embed_tokens.weight[nxt]
+        x = (
+            torch.cat([_rms(emb, t["enorm.weight"], eps), _rms(prev, t["hnorm.weight"], eps)], -1)
+            @ t["eh_proj.weight"].T
+        )
+        x = block(x, attention_mask=mask, position_embeddings=hf.model.rotary_emb(x, pos), position_ids=pos)
+        x = x[0] if isinstance(x, tuple) else x
+        prev = _rms(x, t["shared_head.norm.weight"], eps)
+        logits = prev @ hf.lm_head.weight.T
+        losses.append(F.cross_entropy(logits[:, : s - k].flatten(0, 1), targets[:, k:].flatten()).item())
+    return losses
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_deepseek_v3_mtp_layers_against_transformers(tmp_path, depth):
+    """import-hf of a DeepSeek-V3 directory with MTP layers: the main loss equals transformers'
+    and each depth's loss the plain reference (<= 1e-6 relative); export-hf writes every tensor
+    back under its name (the MTP layers' embedding/head copies: the main model's)."""
+    from safetensors.torch import load_file
+
+    from dtensor3d.__main__ import main
+    from dtensor3d.checkpoint import load_model
+
+    hf, mods = _dsv3_dir(tmp_path / "hf", depth)
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0
+    ours = load_model(tmp_path / "ck").train()
+    assert ours.cfg.num_nextn_predict_layers == depth
+    gen = torch.Generator().manual_seed(1)
+    ids, targets = torch.randint(0, 256, (2, 24), generator=gen), torch.randint(0, 256, (2, 24), generator=gen)
+    logits = ours(ids)
+    with torch.no_grad():
+        ref_main = F.cross_entropy(hf(ids).logits.flatten(0, 1), targets.flatten()).item()
+        refs = _dsv3_reference(hf, mods, ids, targets, "pre_norm")
+    main_loss = F.cross_entropy(logits[:, :, 0].flatten(0, 1), targets.flatten()).item()
+    assert all(hasattr(layer, "block_sparse_moe") for layer in ours.model.mtp.values())  # its own experts
+    assert abs(main_loss - ref_main) <= 1e-6 * ref_main, (main_loss, ref_main)
+    for k, ref in enumerate(refs, start=1):
+        got = F.cross_entropy(logits[:, : 24 - k, k].flatten(0, 1), targets[:, k:].flatten()).item()
+        print(f"depth {k}: loss/mtp {got} reference {ref} rel {abs(got - ref) / ref:.2e}")
+        assert abs(got - ref) <= 1e-6 * ref, (k, got, ref)
+    print(f"main: {main_loss} transformers {ref_main} rel {abs(main_loss - ref_main) / ref_main:.2e}")
+    assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "out")]) == 0
+    back, given = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    given = {
+        n: t
+        for n, t in given.items()
+        if not n.endswith(("layers.2.embed_tokens.weight", "shared_head.head.weight", "layers.3.embed_tokens.weight"))
+    }
+    assert set(back) == set(given)
+    assert all(torch.equal(back[n], given[n]) for n in given)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == depth
+    import transformers  # transformers still loads the export (it ignores the MTP layers): the same main logits
+
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-6)
