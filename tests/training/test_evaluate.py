@@ -90,7 +90,7 @@ def _compare(ours, theirs) -> tuple[int, float, float]:
 def test_equals_hflm_on_the_export(checkpoint):
     from lm_eval.models.huggingface import HFLM
 
-    from dtensor3d.harness import Dtensor3dLM
+    from dtensor3d.harness.lm import Dtensor3dLM
 
     ours, t_ours = _run(Dtensor3dLM(pretrained=str(checkpoint / "ck"), batch_size=4))
     theirs, t_hf = _run(HFLM(pretrained=str(checkpoint / "export"), dtype="float32", batch_size=4, device="cpu"))
@@ -141,7 +141,8 @@ def test_dp2_under_torchrun_equals_world_1(checkpoint):
     from helpers import torchrun
     from lm_eval.tasks import TaskManager
 
-    from dtensor3d.harness import Dtensor3dLM, evaluate
+    from dtensor3d.harness import evaluate
+    from dtensor3d.harness.lm import Dtensor3dLM
 
     out = checkpoint / "dp2.json"
     args = ["-m", "dtensor3d", "eval", str(checkpoint / "ck"), "--tasks", ",".join(TASKS), "--batch-size", "8"]
@@ -158,7 +159,8 @@ def test_smollm2_equals_hflm_on_the_export(smollm2, tmp_path):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from dtensor3d.harness import Dtensor3dLM, evaluate
+    from dtensor3d.harness import evaluate
+    from dtensor3d.harness.lm import Dtensor3dLM
 
     assert main(["import-hf", str(smollm2), str(tmp_path / "ck")]) == 0
     assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "export")]) == 0

@@ -1,43 +1,15 @@
-"""eval: lm-evaluation-harness on a checkpoint, with dtensor3d's own model.
-
-    python -m dtensor3d eval CKPT --tasks T1,T2 [--include-path DIR] [--limit N]
-        [--batch-size B] [--num-fewshot K] [--output PATH]
-
-CKPT: a step directory, a checkpoint directory (its newest step) or a Hugging Face directory
-of a supported family; its tokenizer must be in or beside it. The harness's model class
-`dtensor3d` (Dtensor3dLM, registered with lm_eval's registry) scores requests with the
-single-device model: loglikelihood and loglikelihood_rolling batched (right-padded, so the
-causal model's real positions see no padding), generate_until greedy with a KV cache
-(generate.generate_ids). Tokenization is transformers.AutoTokenizer's, exactly as lm_eval's
-HFLM does it on the export, so the two score the same token ids. Under torchrun the harness
-splits the requests over the ranks (its own rank/world_size) and gathers the results on rank 0.
-"""
+"""Dtensor3dLM: lm-evaluation-harness's model class over dtensor3d's single-device model
+(see the package docstring); importing this module registers it as `dtensor3d`."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import tempfile
 
-from .errors import CheckpointError, DataError, RecipeError
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
 
-try:
-    from lm_eval.api.model import TemplateLM
-    from lm_eval.api.registry import register_model
-except ImportError:  # the eval extra is absent: the command says so at the door
-    TemplateLM, register_model = object, None
-
-
-def add_eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="lm-evaluation-harness tasks on a checkpoint (dtensor3d's model)")
-    p.add_argument("ckpt", help="a step directory, a checkpoint directory (its newest) or a Hugging Face directory")
-    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    p.add_argument("--include-path", help="a directory of extra task YAML files")
-    p.add_argument("--limit", type=float, help="at most this many documents per task (a fraction if < 1)")
-    p.add_argument("--batch-size", type=int, default=8, help="requests per forward (loglikelihood)")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
-    p.add_argument("--output", help="write the harness's results JSON here")
+from ..errors import DataError, RecipeError
 
 
 def hf_tokenizer(ckpt: str):
@@ -45,8 +17,8 @@ def hf_tokenizer(ckpt: str):
     tokenizer.json (in the step directory or beside it) as export-hf would write it."""
     from transformers import AutoTokenizer
 
-    from .datasets.tokenizer import write_hf_tokenizer
-    from .generate import find_tokenizer
+    from ..datasets.tokenizer import write_hf_tokenizer
+    from ..generate import find_tokenizer
 
     if os.path.isfile(os.path.join(ckpt, "config.json")) and os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(ckpt)
@@ -68,7 +40,7 @@ class Dtensor3dLM(TemplateLM):
     def __init__(self, pretrained=None, model=None, tokenizer=None, batch_size=8, max_length=None, **_):
         super().__init__()
         if model is None:
-            from .checkpoint.hf import model_from, model_source
+            from ..checkpoint.hf import model_from, model_source
 
             cfg, files = model_source(str(pretrained), "eval")
             model, max_length = model_from(cfg, files), max_length or cfg.max_position_embeddings
@@ -155,7 +127,7 @@ class Dtensor3dLM(TemplateLM):
         import torch
         import torch.nn.functional as F
 
-        from .generate import _drop_moe_records
+        from ..generate import _drop_moe_records
 
         width = max(len(inp) for inp, _ in rows)
         pad = self.eot_token_id or 0
@@ -199,7 +171,7 @@ class Dtensor3dLM(TemplateLM):
         """Greedy continuations (KV cache), cut at the first stop sequence (HFLM's rules)."""
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
-        from .generate import generate_ids
+        from ..generate import generate_ids
 
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         out = []
@@ -223,8 +195,7 @@ class Dtensor3dLM(TemplateLM):
         return out
 
 
-if register_model is not None:
-    register_model("dtensor3d")(Dtensor3dLM)
+register_model("dtensor3d")(Dtensor3dLM)
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -233,67 +204,3 @@ def _dist_rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def check_eval_args(args):
-    """Every argument checked before the model loads; returns (task names, TaskManager)."""
-    if register_model is None:
-        raise RecipeError("eval: lm-evaluation-harness is not installed; pip install 'dtensor3d[eval]'")
-    if not os.path.exists(args.ckpt):
-        raise CheckpointError(f"eval: CKPT={args.ckpt!r}: no such checkpoint; give a step, checkpoint or HF directory")
-    if args.include_path and not os.path.isdir(args.include_path):
-        raise DataError(f"eval: --include-path={args.include_path!r}: no such directory; give a folder of task YAMLs")
-    if args.batch_size < 1 or (args.limit is not None and args.limit <= 0):
-        raise RecipeError(f"eval: need --batch-size >= 1 and --limit > 0 (got {args.batch_size}, {args.limit})")
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=args.include_path)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown or not tasks:
-        where = f" or under --include-path={args.include_path!r}" if args.include_path else ""
-        raise RecipeError(
-            f"eval: --tasks={args.tasks!r}: unknown task {', '.join(unknown) or '(none given)'}; "
-            f"give names lm-eval knows{where} (`lm-eval ls tasks` lists them)"
-        )
-    return tasks, manager
-
-
-def evaluate(lm, tasks, manager, limit=None, num_fewshot=None, log_samples=False) -> dict | None:
-    """The harness on `lm` (a Dtensor3dLM): its results dict on rank 0, None on the others."""
-    from lm_eval import simple_evaluate
-
-    limit = int(limit) if limit is not None and limit >= 1 else limit
-    return simple_evaluate(
-        model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples
-    )
-
-
-def _init_dist() -> None:
-    """Under torchrun (WORLD_SIZE > 1): one gloo group; every rank is a data-parallel rank that
-    holds the whole model and scores its share of the requests (the harness splits them)."""
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-
-
-def run_eval(args) -> None:
-    from lm_eval.utils import handle_non_serializable, make_table
-
-    tasks, manager = check_eval_args(args)
-    _init_dist()
-    tokenizer = hf_tokenizer(args.ckpt)  # before the weights: a checkpoint without one says so at once
-    lm = Dtensor3dLM(pretrained=args.ckpt, tokenizer=tokenizer, batch_size=args.batch_size)
-    results = evaluate(lm, tasks, manager, args.limit, args.num_fewshot, log_samples=bool(args.output))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if results is None:  # not rank 0
-        return
-    print(make_table(results))
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1, default=handle_non_serializable)
-        print(f"wrote {args.output}", file=sys.stderr)
