@@ -242,6 +242,12 @@ def export_hf(ckpt: str, out: str, max_shard_bytes: float = 5_000_000_000, overw
         raise RecipeError(f"--max-shard-mb={max_shard_bytes / 1e6:g}: must be a positive number of megabytes")
     cfg, source = model_source(ckpt, "CKPT")
     config = hf_config(cfg)
+    if cfg.num_nextn_predict_layers and config.get("num_nextn_predict_layers") is None:
+        print(
+            f"note: the {cfg.num_nextn_predict_layers} MTP layers are written as model.layers."
+            f"{cfg.num_hidden_layers}.. (DeepSeek-V3's names); transformers' {config['model_type']} class ignores them",
+            flush=True,
+        )
     check_out(out, "export-hf", overwrite)
     tmp = f"{out.rstrip(os.sep)}.tmp-export"
     with _writing(out, tmp):

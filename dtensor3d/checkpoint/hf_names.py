@@ -105,13 +105,30 @@ def to_hf_lazy(name: str, source: SliceReader, family: str = "llama") -> dict[st
         rows = sum(source.shape(p)[0] for p in part[1])
         return {part[0]: (dtype, [rows, shape[1]], lambda: torch.cat([source.get(p) for p in part[1]]))}
     if not split:
-        return {names.plain(name): (dtype, shape, lambda: source.get(name))}
+        return {names.plain(name): (dtype, shape, lambda: source.get(name)), **_mtp_copies(name, source, family)}
     _, d_in, d_out = shape
 
     def expert(e: int) -> torch.Tensor:
         return source.read(name, [e, 0, 0], [1, d_in, d_out])[0].T
 
     return {key: (dtype, [d_out, d_in], lambda e=e: expert(e)) for e, key in enumerate(split)}
+
+
+def _mtp_copies(name: str, source: SliceReader, family: str) -> dict[str, tuple]:
+    """DeepSeek-V3's MTP layer model.layers.{i} also holds the embedding and the head (the main
+    model's, written beside its eh_proj), so an imported directory round-trips tensor for tensor."""
+    m = MTP_EH_RE.match(name)
+    if not m or not FAMILIES[family].prediction_layers:
+        return {}
+    head = "model.embed_tokens.weight" if "lm_head.weight" not in source.index else "lm_head.weight"
+    copies = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": head}
+    return {
+        f"{LAYERS}{m[1]}.{theirs}": (source.dtype(ours), source.shape(ours), lambda ours=ours: source.get(ours))
+        for theirs, ours in copies.items()
+    }
+
+
+MTP_EH_RE = re.compile(r"^model\.mtp\.(\d+)\.eh_proj\.weight$")
 
 
 class HFSlices(SliceReader):
