@@ -92,6 +92,7 @@ def hf_index(hf_dir: str, cfg) -> dict[str, str]:
     for file in sorted(set(weight_map.values())):
         if not os.path.isfile(os.path.join(hf_dir, file)):
             raise CheckpointError(f"{os.path.join(hf_dir, file)} is missing (a shard listed in {HF_INDEX})")
+    _check_mtp_copies(hf_dir, weight_map, cfg)
     weight_map = {
         n: f
         for n, f in weight_map.items()
@@ -120,6 +121,29 @@ def _prediction_layer(name: str, cfg) -> bool:
 
 # An MTP layer's copies of the embedding and the head (DeepSeek-V3's checkpoint): ours are the main model's.
 MTP_COPIES = ("embed_tokens", "shared_head.head")
+
+
+def _check_mtp_copies(hf_dir: str, weight_map: dict[str, str], cfg) -> None:
+    """The read MTP layers' embed_tokens and shared_head.head must equal the main model's (the
+    model shares them); one CheckpointError line names those that differ."""
+    from safetensors import safe_open
+
+    def get(name: str) -> torch.Tensor:
+        with safe_open(os.path.join(hf_dir, weight_map[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    main = {"embed_tokens": "model.embed_tokens.weight", "shared_head.head": head}
+    n, differ = cfg.num_hidden_layers, []
+    for i in range(n, n + cfg.num_nextn_predict_layers):
+        for part, ours in main.items():
+            name = f"model.layers.{i}.{part}.weight"
+            if name in weight_map and not torch.equal(get(name), get(ours)):
+                differ.append(f"{name} (not {ours})")
+    if differ:
+        raise CheckpointError(
+            f"{hf_dir}: the MTP layers share the main model's embedding and head: {', '.join(differ)}"
+        )
 
 
 def _same(a, b) -> bool:

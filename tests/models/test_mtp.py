@@ -303,3 +303,18 @@ def test_deepseek_v3_mtp_layers_against_transformers(tmp_path, depth):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.allclose(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_deepseek_v3_mtp_copy_of_the_embedding_must_equal_the_main_one(tmp_path, capsys):
+    """An MTP layer's embed_tokens that is not the main model's: import-hf refuses it in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from dtensor3d.__main__ import main
+
+    _dsv3_dir(tmp_path / "hf", 1)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.layers.2.embed_tokens.weight"] = tensors["model.layers.2.embed_tokens.weight"] + 1
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "model.layers.2.embed_tokens.weight (not model.embed_tokens.weight)" in err[0]
