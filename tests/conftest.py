@@ -129,6 +129,7 @@ SLOW_IN_QUICK_FILES = {
     "test_mfu_is_tflops_over_the_given_peak",  # a 1-process training run
     "test_padded_run_at_tp2_equals_the_unpadded_world_1_run",
     "test_mtp_dp2_matches_world_1",
+    "test_mtp_ep2_matches_world_1",
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 

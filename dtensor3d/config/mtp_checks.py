@@ -19,10 +19,10 @@ def validate_mtp(recipe) -> None:
             f"model.num_nextn_predict_layers={depth}: depth k predicts the token k+1 ahead, so it must be below "
             f"training.sequence_length={seq}; valid: 0 to {seq - 1}"
         )
-    busy = {axis: getattr(p, axis) for axis in ("tp", "cp", "pp", "ep") if getattr(p, axis) > 1}
+    busy = {axis: getattr(p, axis) for axis in ("tp", "cp", "pp") if getattr(p, axis) > 1}
     if depth and busy:
         axis, size = next(iter(busy.items()))
         raise RecipeError(
-            f"parallelism.{axis}={size}: model.num_nextn_predict_layers={depth} runs at dp only so far; "
+            f"parallelism.{axis}={size}: model.num_nextn_predict_layers={depth} runs at dp and ep only so far; "
             f"valid {axis}: 1 (or num_nextn_predict_layers: 0)"
         )

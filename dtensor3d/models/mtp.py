@@ -29,10 +29,23 @@ class SharedHead(nn.Module):
         self.norm = norm
 
 
+class MTPMixin:
+    """The block's forward with the MTP input and output around it, all inside the module's own
+    call (so FSDP's hooks on the block gather enorm, hnorm, eh_proj and shared_head too)."""
+
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, **docs: torch.Tensor) -> torch.Tensor:
+        h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))  # embedding first (vLLM, torchtitan)
+        return self.shared_head.norm(super().forward(h, **docs))
+
+
+_CLASSES: dict[type, type] = {}
+
+
 def make_mtp_layer(block_cls, norm, cfg, hooks, index: int) -> nn.Module:
-    """One MTP module: a decoder block (`block_cls`, the family's kind) with DeepSeek's extra
+    """One MTP module: a decoder block of `block_cls` (the family's kind) with DeepSeek's extra
     enorm, hnorm, eh_proj and shared_head.norm as attributes beside the block's own."""
-    layer = block_cls(cfg, hooks, moe=cfg.is_moe_layer(index), index=index)
+    cls = _CLASSES.setdefault(block_cls, type(f"MTP{block_cls.__name__}", (MTPMixin, block_cls), {}))
+    layer = cls(cfg, hooks, moe=cfg.is_moe_layer(index), index=index)
     layer.enorm, layer.hnorm = norm(cfg, cfg.hidden_size), norm(cfg, cfg.hidden_size)
     layer.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
     layer.shared_head = SharedHead(norm(cfg, cfg.hidden_size))
@@ -52,8 +65,7 @@ def mtp_forward(model, input_ids: torch.Tensor, h0: torch.Tensor, **docs: torch.
     h, outs = h0, []
     for k, layer in enumerate(model.mtp.values(), start=1):
         emb = model.embed_tokens(shift_left(input_ids, k, 0))  # Emb(t_{i+k}); t past the window: masked targets
-        h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))  # embedding first (vLLM, torchtitan)
-        h = layer.shared_head.norm(layer(h, **docs))
+        h = layer(emb, h, **docs)
         outs.append(h)
     return outs
 

@@ -52,6 +52,7 @@ def apply_fsdp(model: nn.Module, mesh, parallelism, policy: MixedPrecisionPolicy
     mp = policy or fsdp_policy(mesh.device_type, "float32")
     kwargs = dict(reshard_after_forward=parallelism.reshard_after_forward, mp_policy=mp)
     blocks, n = list(model.model.layers.values()), parallelism.fsdp_bucket_layers
+    blocks += list((getattr(model.model, "mtp", None) or {}).values())  # MTP blocks (models/mtp.py): last units
     for block in blocks:
         moe = getattr(block, "block_sparse_moe", None)
         if moe is not None:

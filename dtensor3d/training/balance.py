@@ -23,7 +23,7 @@ from ..parallel.expert import aux_loss_scale
 
 def moe_layer_ids(cfg) -> list[int]:
     """The global indices of the layers with experts: the rows of the load table."""
-    return [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    return [i for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers) if cfg.is_moe_layer(i)]  # MTP too
 
 
 def layer_moes(model: nn.Module) -> dict[int, MoE]:
