@@ -37,6 +37,17 @@ FAMILY_DEFAULTS = {
     | {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_key_value_heads": 4},
     "deepseek_v3": {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61}
     | {"num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 4096},
+    "olmo2": {"vocab_size": 50304, "rms_norm_eps": 1e-5},
+    "olmo3": {"vocab_size": 50304, "rms_norm_eps": 1e-5, "sliding_window": 4096, "rope_theta": 5e5},
+    "smollm3": {"vocab_size": 128256, "hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16}
+    | {"num_key_value_heads": 4, "max_position_embeddings": 32768, "tie_word_embeddings": True, "rope_theta": 2e6},
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26}
+    | {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072}
+    | {"tie_word_embeddings": True, "sliding_window": 4096, "rope_theta": 1e6},
+    "phi3": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "rms_norm_eps": 1e-5}
+    | {"max_position_embeddings": 4096},
+    "glm4_moe": {"vocab_size": 151552, "intermediate_size": 10944, "num_hidden_layers": 46, "num_attention_heads": 96}
+    | {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
 }
 
 
@@ -78,6 +89,10 @@ DEEPSEEK_MOE_DEFAULTS = {
     "norm_topk_prob": True,
 }
 DEEPSEEK_MOE_KEYS = tuple(DEEPSEEK_MOE_DEFAULTS)
+# The same router keys in a GLM-4.5 config.json, with Glm4MoeConfig's defaults (and its sizes).
+GLM4_MOE_DEFAULTS = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}
+GLM4_MOE_SIZES = {"n_routed_experts": 128, "moe_intermediate_size": 1408, "first_k_dense_replace": 1}
+DEEPSEEK_MOE_SIZES = {"n_routed_experts": 256, "moe_intermediate_size": 2048, "first_k_dense_replace": 3}
 
 
 def _moe_values(hf: dict, kind: str) -> dict:
@@ -85,10 +100,13 @@ def _moe_values(hf: dict, kind: str) -> dict:
     if kind == "mixtral":
         return {key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()}
     if kind in ("deepseek_v3", "glm4_moe"):  # sigmoid scores with the correction bias; no aux loss in transformers
-        values = {key: hf.get(key, default) for key, default in DEEPSEEK_MOE_DEFAULTS.items()}
-        values.update(num_local_experts=hf.get("n_routed_experts", 256), scoring_func="sigmoid")
-        values.update(moe_intermediate_size=hf.get("moe_intermediate_size", 2048), router_aux_loss_coef=0.0)
-        values["first_k_dense_replace"] = hf.get("first_k_dense_replace", 3)
+        glm = kind == "glm4_moe"
+        defaults = DEEPSEEK_MOE_DEFAULTS | (GLM4_MOE_DEFAULTS if glm else {})
+        sizes = {key: hf.get(key, d) for key, d in (GLM4_MOE_SIZES if glm else DEEPSEEK_MOE_SIZES).items()}
+        values = {key: hf.get(key, default) for key, default in defaults.items()}
+        values.update(num_local_experts=sizes["n_routed_experts"], scoring_func="sigmoid", router_aux_loss_coef=0.0)
+        values.update(moe_intermediate_size=sizes["moe_intermediate_size"])
+        values["first_k_dense_replace"] = sizes["first_k_dense_replace"]
         return values | {"n_group": values["n_group"] or 1, "topk_group": values["topk_group"] or 1}
     values = {key: hf.get(key, default) for key, default in QWEN3_MOE_DEFAULTS.items()}
     values["num_local_experts"] = hf.get("num_experts", hf.get("num_local_experts", 128))

@@ -9,6 +9,8 @@ import transformers
 from dtensor3d.config.hf_config import (
     DEEPSEEK_MOE_DEFAULTS,
     FAMILY_DEFAULTS,
+    GLM4_MOE_DEFAULTS,
+    GLM4_MOE_SIZES,
     MIXTRAL_DEFAULTS,
     MLA_DEFAULTS,
     QWEN3_MOE_DEFAULTS,
@@ -43,8 +45,11 @@ MOE_TABLES = {
     "mixtral": MIXTRAL_DEFAULTS,
     "qwen3_moe": QWEN3_MOE_DEFAULTS,
     "deepseek_v3": MLA_DEFAULTS | DEEPSEEK_MOE_DEFAULTS,
+    "glm4_moe": DEEPSEEK_MOE_DEFAULTS | GLM4_MOE_DEFAULTS | GLM4_MOE_SIZES,
 }
-EXPERTS = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts"}
+EXPERTS = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"} | dict.fromkeys(
+    ("deepseek_v3", "glm4_moe"), "n_routed_experts"
+)
 MOE_FIELDS = (
     *("num_experts_per_tok", "router_aux_loss_coef", "moe_intermediate_size", "norm_topk_prob"),
     *("n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace"),
@@ -60,6 +65,13 @@ def _tiny(kind: str) -> dict:
     return hf
 
 
+def _rope_theta(cfg) -> float:
+    """The full-attention layers' theta (per layer type in OLMo 3 and Gemma 3: the sliding layers'
+    own is model.sliding_rope)."""
+    rope = cfg.rope_parameters
+    return rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"]
+
+
 def _theirs(hf: dict) -> dict:
     """The model transformers' config class reads from `hf`, in our field names."""
     kind = hf["model_type"]
@@ -68,7 +80,7 @@ def _theirs(hf: dict) -> dict:
     out["head_dim"] = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if kind == "deepseek_v3":  # its attention reads neither head_dim nor num_key_value_heads
         out["head_dim"], cfg.num_key_value_heads = cfg.qk_rope_head_dim, cfg.num_attention_heads
-    out["rope_theta"] = cfg.rope_parameters["rope_theta"]
+    out["rope_theta"] = _rope_theta(cfg)
     out["num_key_value_heads"] = cfg.num_key_value_heads or cfg.num_attention_heads
     out["num_local_experts"] = getattr(cfg, EXPERTS[kind]) if kind in EXPERTS else None
     if kind in ("qwen2", "qwen3", "qwen3_moe") and not getattr(cfg, "use_sliding_window", False):
@@ -101,7 +113,7 @@ def test_defaults_table_matches_transformers(kind):
     cfg = transformers.CONFIG_MAPPING[kind]()
     for key, value in (family_defaults(kind) | MOE_TABLES.get(kind, {})).items():
         if key == "rope_theta":
-            assert cfg.rope_parameters["rope_theta"] == value, kind
+            assert _rope_theta(cfg) == value, kind
         elif key == "head_dim" and kind == "deepseek_v3":  # MLA's head_dim is qk_rope_head_dim (MLA_DEFAULTS)
             assert cfg.head_dim == MLA_DEFAULTS["qk_rope_head_dim"]
         elif key == "head_dim" and value is None:
