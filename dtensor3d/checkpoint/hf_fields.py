@@ -78,6 +78,15 @@ _NO_DEEPSEEK = {
     "router_bias_update_rate": 0.0,  # balancing gives the router a correction bias
     "first_k_dense_replace": 0,
 }
+# DeepSeek-V3's routing, which GLM-4.5's class shares: sigmoid scores with a correction bias.
+_DEEPSEEK_ROUTING = {
+    "shared_expert_intermediate_size": 0,
+    "moe_layers": None,
+    "scoring_func": "sigmoid",
+    "correction_bias": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": None,
+}
 _MOE_FIXED = {
     "mixtral": {
         **_NO_DEEPSEEK,
@@ -87,22 +96,8 @@ _MOE_FIXED = {
         "moe_intermediate_size": 0,
     },
     "qwen3_moe": _NO_DEEPSEEK,
-    "glm4_moe": {
-        "shared_expert_intermediate_size": 0,
-        "moe_layers": None,
-        "scoring_func": "sigmoid",
-        "correction_bias": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": None,
-    },
-    "deepseek_v3": {
-        "shared_expert_intermediate_size": 0,
-        "moe_layers": None,
-        "scoring_func": "sigmoid",
-        "correction_bias": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": None,
-    },
+    "glm4_moe": _DEEPSEEK_ROUTING,
+    "deepseek_v3": _DEEPSEEK_ROUTING,
 }
 
 
