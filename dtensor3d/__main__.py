@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu", default=None, help="estimate step time on this GPU: A100, H100, H200, B200, L40S, A10G")
     plan.add_argument("--peak-tflops", type=float, default=None, help="estimate step time at this peak TFLOP/s")
     plan.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (0.4)")
+    plan.add_argument("--hardware", default=None, help="predict step time, tokens/s/GPU and the bound on this device")
+    plan.add_argument("--nodes", type=int, default=None, help="--hardware: nodes the world spans (default: the fewest)")
+    plan.add_argument("--hardware-file", default=None, help="--hardware: a YAML table of your own devices")
     plan.add_argument("--simulate", action="store_true", help="build one rank's model on meta under a fake group")
     plan.add_argument("--rank", type=int, default=None, help="the rank --simulate builds (0)")
     check = sub.add_parser("validate", help="check a recipe; print the processes per node")
@@ -100,15 +103,29 @@ def _plan(args) -> None:
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world)
     peak = peak_tflops(args.gpu, args.peak_tflops, args.mfu)
+    perf = _hardware(args, recipe)
     if args.rank is not None and not args.simulate:
         raise RecipeError(f"plan: --rank {args.rank} is the rank --simulate builds; add --simulate")
     if args.simulate:
         from .plan.simulate import check_rank, format_simulate
 
         check_rank(recipe, args.rank or 0)  # before torch is imported
-        print(format_simulate(recipe, args.rank or 0, args.json, peak=peak, mfu=args.mfu))
+        print(format_simulate(recipe, args.rank or 0, args.json, peak=peak, mfu=args.mfu, perf=perf))
         return
-    print(format_plan(recipe, args.json, peak=peak, mfu=args.mfu))
+    print(format_plan(recipe, args.json, peak=peak, mfu=args.mfu, perf=perf))
+
+
+def _hardware(args, recipe):
+    """(Hardware, nodes) for `plan --hardware NAME [--nodes N] [--hardware-file F]`, or None."""
+    if args.hardware is None:
+        if args.nodes is not None or args.hardware_file is not None:
+            flag = "--nodes" if args.nodes is not None else "--hardware-file"
+            raise RecipeError(f"plan: {flag} goes with --hardware NAME (the device to predict on)")
+        return None
+    from .plan.hardware import check_nodes, lookup
+
+    hw = lookup(args.hardware, args.hardware_file)
+    return hw, check_nodes(args.nodes, recipe.parallelism.world_size, hw)
 
 
 def _validate(args) -> None:

@@ -33,17 +33,23 @@ def peak_tflops(gpu: str | None, peak: float | None, mfu: float) -> float | None
     return peak
 
 
-def plan_dict(recipe, world_size: int | None = None, peak: float | None = None, mfu: float = 0.4) -> dict:
+def plan_dict(recipe, world_size: int | None = None, peak: float | None = None, mfu: float = 0.4, perf=None) -> dict:
+    """The JSON of `plan`; with `perf` = (Hardware, nodes) also "performance" (plan/perf.py)."""
     from .estimate import estimate
 
     dims = recipe.parallelism.dims
     world = world_size if world_size is not None else recipe.parallelism.world_size
-    return {
+    out = {
         "world_size": world,
         "dims": dims,
         "groups": rank_groups(dims, recipe.parallelism.dp_shard or None),
         "estimate": estimate(recipe, peak, mfu),
     }
+    if perf is not None:
+        from .perf import predict
+
+        out["performance"] = predict(recipe, *perf)
+    return out
 
 
 def _size(n: float) -> str:
@@ -121,8 +127,13 @@ def _estimate_lines(recipe, est: dict) -> list[str]:
     return lines
 
 
-def format_plan(recipe, as_json: bool, peak: float | None = None, mfu: float = 0.4) -> str:
-    plan = plan_dict(recipe, peak=peak, mfu=mfu)
+def format_plan(recipe, as_json: bool, peak: float | None = None, mfu: float = 0.4, perf=None) -> str:
+    plan = plan_dict(recipe, peak=peak, mfu=mfu, perf=perf)
     if as_json:
         return json.dumps(plan)
-    return "\n".join(_layout_lines(recipe, plan) + _estimate_lines(recipe, plan["estimate"]))
+    lines = _layout_lines(recipe, plan) + _estimate_lines(recipe, plan["estimate"])
+    if "performance" in plan:
+        from .perf_report import performance_lines
+
+        lines += performance_lines(recipe, plan["performance"])
+    return "\n".join(lines)

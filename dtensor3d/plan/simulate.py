@@ -106,7 +106,7 @@ def simulate_lines(sim: dict, size) -> list[str]:
     ]
 
 
-def format_simulate(recipe, rank: int, as_json: bool, peak: float | None = None, mfu: float = 0.4) -> str:
+def format_simulate(recipe, rank: int, as_json: bool, peak: float | None = None, mfu: float = 0.4, perf=None) -> str:
     """`plan --simulate`: the plan (plan.py) with rank `rank` simulated, as text or JSON
     (the plan's keys and "simulate")."""
     import json
@@ -114,9 +114,9 @@ def format_simulate(recipe, rank: int, as_json: bool, peak: float | None = None,
     from .report import _size, format_plan, plan_dict
 
     check_rank(recipe, rank)
-    plan = plan_dict(recipe, peak=peak, mfu=mfu)
+    plan = plan_dict(recipe, peak=peak, mfu=mfu, perf=perf)
     sim = simulate(recipe, rank)
     sim.update(compare(sim, plan["estimate"]))
     if as_json:
         return json.dumps(plan | {"simulate": sim})
-    return format_plan(recipe, False, peak=peak, mfu=mfu) + "\n" + "\n".join(simulate_lines(sim, _size))
+    return format_plan(recipe, False, peak=peak, mfu=mfu, perf=perf) + "\n" + "\n".join(simulate_lines(sim, _size))

@@ -1,0 +1,112 @@
+"""The hardware `plan --hardware NAME` predicts on: the table shipped beside this file
+(hardware.yaml; names and aliases case-insensitive) or a user's own (`--hardware-file F`,
+the same fields; its entries are added to the shipped ones and win on a name). Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..errors import RecipeError
+
+TABLE = Path(__file__).with_name("hardware.yaml")
+FIELDS = (
+    "bf16_tflops",
+    "fp8_tflops",
+    "hbm_gbps",
+    "hbm_gb",
+    "intra_node_gbps",
+    "gpus_per_node",
+    "inter_node_gbps",
+    "collective_latency_us",
+    "attention_fraction",
+)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device kind, in the units the table uses (see hardware.yaml's header)."""
+
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float
+    hbm_gbps: float
+    hbm_gb: float
+    intra_node_gbps: float
+    gpus_per_node: int
+    inter_node_gbps: float
+    collective_latency_us: float
+    attention_fraction: float
+    cores_per_node: int = 0  # CPU: the node's ranks share these cores (0: one device per rank)
+    source: str = ""
+
+
+def _entry(name: str, raw, where: str) -> Hardware:
+    """One table entry, checked: every field present and a positive number."""
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: hardware {name!r} must be a mapping of {', '.join(FIELDS)}")
+    missing = [f for f in FIELDS if f not in raw]
+    if missing:
+        raise RecipeError(
+            f"{where}: hardware {name!r} lacks {', '.join(missing)}; every entry gives {', '.join(FIELDS)}"
+        )
+    values = {}
+    for f in (*FIELDS, "cores_per_node"):
+        if f not in raw:
+            continue
+        v = raw[f]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise RecipeError(f"{where}: hardware {name!r} field {f}: {v!r} must be a positive number")
+        values[f] = v
+    values["gpus_per_node"] = int(values["gpus_per_node"])
+    return Hardware(name=name, source=str(raw.get("source", "")), **values)
+
+
+def _read(path: Path, where: str) -> dict[str, tuple[Hardware, list[str]]]:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise RecipeError(f"{where}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise RecipeError(f"{where}: must be a mapping from hardware name to its fields")
+    out = {}
+    for name, entry in raw.items():
+        aliases = entry.get("aliases", []) if isinstance(entry, dict) else []
+        out[str(name).lower()] = (_entry(str(name), entry, where), [str(a).lower() for a in aliases])
+    return out
+
+
+def table(hardware_file: str | None = None) -> dict[str, Hardware]:
+    """Every known name (aliases too, lower case) -> its Hardware."""
+    entries = _read(TABLE, "hardware.yaml")
+    if hardware_file is not None:
+        entries |= _read(Path(hardware_file), f"--hardware-file {hardware_file}")
+    out = {}
+    for name, (hw, aliases) in entries.items():
+        out[name] = hw
+        out |= {a: hw for a in aliases}
+    return out
+
+
+def lookup(name: str, hardware_file: str | None = None) -> Hardware:
+    """The entry called `name` (case-insensitive), or one error line listing the known names."""
+    known = table(hardware_file)
+    if name.lower() not in known:
+        names = sorted({hw.name for hw in known.values()})
+        raise RecipeError(f"plan --hardware {name}: not known; valid: {', '.join(names)} (or --hardware-file F)")
+    return known[name.lower()]
+
+
+def check_nodes(nodes: int | None, world: int, hw: Hardware) -> int:
+    """The node count: `--nodes N` (must divide the world size), else the fewest nodes of
+    `gpus_per_node` that hold the world."""
+    if nodes is None:
+        return -(-world // hw.gpus_per_node)
+    if nodes < 1 or world % nodes:
+        raise RecipeError(f"plan --nodes {nodes}: must be a positive divisor of the world size {world}")
+    return nodes

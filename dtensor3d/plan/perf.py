@@ -1,0 +1,224 @@
+"""`plan --hardware NAME`: the predicted step time of a recipe on a device (hardware.py's
+table), per pipeline rank, term by term, then tokens/s per GPU, MFU and the bound. Pure Python.
+
+Per pp rank and step (m microbatches):
+- compute: m x perf_compute.rank_seconds (matmuls by shape, attention, memory-bound ops;
+  forward, backward, recompute);
+- communication: plan's own byte counts (collectives.comm_bytes) turned into seconds per
+  mesh dim -- a ring's wire bytes (all-gather (n-1) x piece, reduce-scatter and all-to-all
+  (n-1)/n x input, all-reduce twice that, a send its bytes) over the group's bandwidth (its
+  ranks within a node: NVLink; spread over nodes: the NICs of the k members a node holds,
+  k x inter_node_gbps, at most NVLink's), at LINK_EFF, plus the collective latency per call;
+- what of it is exposed, as the code runs it: tp's collectives sit between the matmuls
+  (exposed; with tp_linear_async_communication overlapped with the matmuls, a chunk's share
+  left); cp's K/V all-gather precedes attention (exposed); ep's all-to-alls are exposed but
+  under dualpipev (its overlapped forward-backward pairs hide them behind the other
+  microbatch's compute); pp's sends are exposed; FSDP's all-gathers are prefetched behind
+  compute (resharded after forward: behind the whole step's compute; gathered once per step,
+  under pp or `never`: behind the first microbatch's forward) and its reduce-scatter runs
+  behind the last microbatch's backward, one unit's share always exposed;
+- the pipeline: the busiest rank's busy time stretched by the schedule's bubble
+  (schedule_model.bubble_fraction), then FSDP's exposed share and the optimizer step.
+
+Global constants (the only calibration): perf_compute.MATMUL_EFF, HBM_EFF, LINK_EFF here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from .collectives import comm_bytes
+from .estimate import estimate, flops_per_step
+from .memory import bubble_fraction
+from .params import rank_parts
+from .perf_compute import float8_on, optimizer_seconds, rank_seconds
+
+LINK_EFF = 0.80  # share of a link's bandwidth NCCL's rings reach (nccl-tests bus bandwidth)
+AXIS_ORDER = ("ep", "pp", "dp", "cp", "tp")  # nanotron's rank matrix, tp fastest
+GROUP_AXES = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp": ("ep", "dp", "cp"), "world": AXIS_ORDER}
+WIRE = {"all_gather": None, "reduce_scatter": 1.0, "all_to_all": 1.0, "all_reduce": 2.0, "send_recv": 0.0}
+
+
+def _members(dims: dict[str, int], axes) -> list[int]:
+    """The ranks of the group along `axes` that holds rank 0."""
+    strides, s = {}, 1
+    for a in reversed(AXIS_ORDER):
+        strides[a], s = s, s * dims[a]
+    ranges = [range(0, dims[a] * strides[a], strides[a]) for a in axes]
+    return sorted(sum(c) for c in itertools.product(*ranges))
+
+
+def group_link(dims: dict[str, int], axes, hw, nodes: int, world: int) -> tuple[int, float]:
+    """(group size, its bandwidth in bytes/s): within one node NVLink; across nodes, the k
+    members one node holds share k NICs (at most NVLink's rate)."""
+    ranks = _members(dims, axes)
+    n, per_node = len(ranks), world // nodes
+    k = sum(1 for r in ranks if r < per_node)
+    if k >= n:
+        return n, hw.intra_node_gbps * 1e9 * LINK_EFF
+    return n, min(hw.intra_node_gbps, k * hw.inter_node_gbps) * 1e9 * LINK_EFF
+
+
+def collective_seconds(kinds: dict[str, int], n: int, bandwidth: float) -> float:
+    """Wire time of a dim's bytes (what one rank hands each kind) over a ring of n ranks."""
+    if n <= 1:
+        return 0.0
+    total = 0.0
+    for kind, b in kinds.items():
+        if kind == "total" or not b:
+            continue
+        factor = WIRE[kind]
+        if factor is None:  # all-gather: the rank's piece goes to n - 1 others
+            wire = b * (n - 1)
+        elif factor == 0.0:
+            wire = b
+        else:
+            wire = factor * b * (n - 1) / n
+        total += wire / bandwidth
+    return total
+
+
+def _calls(recipe, part) -> dict[str, int]:
+    """Collective calls per step and dim (latency), from the layers and the schedule."""
+    p, m, mod = recipe.parallelism, recipe.num_microbatches, recipe.model
+    layers = len(part.layers)
+    moe = sum(1 for i in part.layers if mod.num_local_experts and mod.is_moe_layer(i))
+    again = 1 + (p.recompute != "none") / 2
+    units = -(-layers // p.fsdp_bucket_layers) + 1
+    return {
+        "tp": int(8 * layers * m * again) if p.tp_enabled else 0,
+        "cp": int(2 * layers * m * again) if p.cp_enabled else 0,
+        "ep": int(4 * moe * m * again) if p.ep_enabled else 0,
+        "pp": 2 * m if p.pp_enabled else 0,
+        "dp": units * (2 * m + 1 if p.reshard_after_forward else 2),
+        "world": 2,
+    }
+
+
+def comm_seconds(recipe, hw, nodes: int) -> list[dict[str, float]]:
+    """Per pp rank: seconds per step of each dim's collectives (wire time plus latency)."""
+    p = recipe.parallelism
+    dims, world = p.dims, p.world_size
+    out = []
+    for part, per_dim in zip(rank_parts(recipe), comm_bytes(recipe, "nccl")):
+        calls, row = _calls(recipe, part), {}
+        for dim, kinds in per_dim.items():
+            n, bw = group_link(dims, GROUP_AXES[dim], hw, nodes, world)
+            if dim == "pp":
+                n = 2 if p.pp_enabled else 1
+            hops = 1 + math.ceil(math.log2(max(n, 2)))
+            row[dim] = collective_seconds(kinds, n, bw) + (calls[dim] * hops * hw.collective_latency_us * 1e-6) * (
+                n > 1
+            )
+        out.append(row)
+    return out
+
+
+def _dp_exposed(recipe, comm: dict, compute: dict, units: int) -> float:
+    """FSDP's / DDP's seconds per step not hidden behind compute (see the module's doc)."""
+    p, m = recipe.parallelism, recipe.num_microbatches
+    dp = comm["dp"]
+    if not dp:
+        return 0.0
+    mb = sum(compute.values())
+    if p.fsdp_enabled and p.reshard_after_forward:
+        return max(0.0, dp - m * mb) + dp / units
+    fwd, bwd = mb / 3, 2 * mb / 3  # a microbatch's forward and backward shares
+    gather = dp * 0.2 if p.fsdp_enabled else 0.0  # bf16 gather: 2 of the 2 + 4 (+4 HSDP) bytes per parameter
+    return max(0.0, gather - fwd) + max(0.0, dp - gather - bwd) + dp / units
+
+
+def rank_terms(recipe, hw, part, comm: dict, params: int) -> dict:
+    """One pp rank's terms per step (seconds)."""
+    p, m = recipe.parallelism, recipe.num_microbatches
+    mb = rank_seconds(recipe, hw, part)
+    terms = {k: v * m for k, v in mb.items()}
+    tp = comm["tp"]
+    if p.tp_linear_async_communication and p.tp_enabled:
+        tp = max(tp - terms["matmul_s"], tp / p.tp)
+    ep = comm["ep"]
+    if p.pp_engine == "dualpipev" and p.pp_enabled:
+        ep = max(0.0, ep - sum(terms.values()) / 2)
+    units = -(-len(part.layers) // p.fsdp_bucket_layers) + 1
+    terms |= {"tp_s": tp, "cp_s": comm["cp"], "ep_s": ep, "pp_s": comm["pp"]}
+    terms["busy_s"] = sum(terms.values())
+    terms["dp_s"] = comm["dp"]
+    terms["dp_exposed_s"] = _dp_exposed(recipe, comm, mb, units)
+    terms["optimizer_s"] = optimizer_seconds(params, hw) + comm["world"]
+    return terms
+
+
+def per_rank_hardware(hw, recipe, nodes: int):
+    """A CPU entry (cores_per_node) divides its node's cores among the node's ranks."""
+    if not hw.cores_per_node:
+        return hw
+    share = min(1.0, hw.cores_per_node / (recipe.parallelism.world_size / nodes))
+    return dataclasses.replace(
+        hw, bf16_tflops=hw.bf16_tflops * share, fp8_tflops=hw.fp8_tflops * share, hbm_gbps=hw.hbm_gbps * share
+    )
+
+
+ADVICE = {
+    "matmul_s": "compute-bound (matmuls): float8 (training.float8) or larger matmuls per rank (smaller tp)",
+    "attention_s": "attention-bound: a faster attention kernel, or a shorter sequence per rank (more cp)",
+    "memory_s": "memory-bound ops: training.compile=true fuses them; recompute selective/none recomputes less",
+    "tp_s": "tensor-parallel communication: tp_linear_async_communication=true, a smaller tp, tp within a node",
+    "cp_s": "context-parallel K/V exchange: a smaller cp, or cp within a node",
+    "ep_s": "expert all-to-all: ep within a node, or pp_engine dualpipev (overlaps it)",
+    "pp_s": "pipeline sends: fewer pipeline stages, or larger microbatches",
+    "bubble_s": "pipeline bubble: more microbatches (a larger batch or smaller micro_batch_size), "
+    "interleaved_1f1b / zbv / dualpipev, or a smaller pp",
+    "dp_exposed_s": "data-parallel communication: larger fsdp_bucket_layers, fsdp_reshard_after_forward never, "
+    "dp_mode hybrid (HSDP) within nodes",
+    "optimizer_s": "the optimizer step: more ranks to shard it over (FSDP)",
+}
+
+
+def predict(recipe, hw, nodes: int) -> dict:
+    """The whole prediction (`plan --json`'s key "performance")."""
+    p, t = recipe.parallelism, recipe.training
+    world, hw_rank = p.world_size, per_rank_hardware(hw, recipe, nodes)
+    est = estimate(recipe)
+    comm = comm_seconds(recipe, hw_rank, nodes)
+    rows = []
+    for part, c, row in zip(rank_parts(recipe), comm, est["stages"]):
+        terms = rank_terms(recipe, hw_rank, part, c, row["params"])
+        rows.append({"stage": part.rank, **{k: round(v, 9) for k, v in terms.items()}})
+    bubble = bubble_fraction(recipe)
+    busy = max(r["busy_s"] for r in rows)
+    makespan = busy / (1 - bubble)
+    tail = max(r["dp_exposed_s"] + r["optimizer_s"] for r in rows)
+    step = makespan + tail
+    tokens = t.global_batch_size * t.sequence_length
+    flops = flops_per_step(recipe)
+    slow = max(rows, key=lambda r: r["busy_s"])
+    parts = {k: slow[k] for k in ("matmul_s", "attention_s", "memory_s", "tp_s", "cp_s", "ep_s", "pp_s")}
+    parts |= {"bubble_s": makespan - busy, "dp_exposed_s": slow["dp_exposed_s"], "optimizer_s": slow["optimizer_s"]}
+    bound = max(parts, key=parts.get)
+    return {
+        "hardware": hw.name,
+        "nodes": nodes,
+        "gpus_per_node": world // nodes,
+        "float8": float8_on(recipe),
+        "stages": rows,
+        "bubble_fraction": bubble,
+        "bubble_s": makespan - busy,
+        "step_time_s": step,
+        "breakdown_s": parts,
+        "tokens_per_sec": tokens / step,
+        "tokens_per_sec_per_gpu": tokens / step / world,
+        "tflops_per_gpu": flops / step / world / 1e12,
+        "mfu": flops / step / world / (hw.bf16_tflops * 1e12),
+        "bound": bound.removesuffix("_s"),
+        "advice": ADVICE[bound],
+        "constants": constants(),
+    }
+
+
+def constants() -> dict[str, float]:
+    """The model's global constants (the only ones calibrated against measured runs)."""
+    from . import perf_compute
+
+    return {"MATMUL_EFF": perf_compute.MATMUL_EFF, "HBM_EFF": perf_compute.HBM_EFF, "LINK_EFF": LINK_EFF}
