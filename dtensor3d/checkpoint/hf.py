@@ -22,6 +22,7 @@ from ..config.schema import ModelConfig, Recipe
 from ..errors import CheckpointError, RecipeError
 from ..models import build_on_meta, materialize, stored_name
 from ..models.llama import LlamaForCausalLM
+from . import hf_gpt_oss
 from .check import check_checkpoint, expected_shapes, model_config
 from .find import resolve
 from .format import STATE, check_tensors, publish, read_header, read_json, save_tensors, seal, step_name, write_atomic
@@ -100,7 +101,7 @@ def hf_index(hf_dir: str, cfg) -> dict[str, str]:
         and not (cfg.tie_word_embeddings and n == "lm_head.weight")
         and not _prediction_layer(n, cfg)
     }
-    check_tensors(hf_dir, weight_map, hf_shapes(cfg))
+    check_tensors(hf_dir, weight_map, hf_gpt_oss.mxfp4_expected(hf_shapes(cfg), weight_map))
     return weight_map
 
 

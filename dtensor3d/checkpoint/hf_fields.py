@@ -42,6 +42,13 @@ def _family_fields(cfg, name: str) -> dict:
         out["layer_types"] = [
             ("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)
         ]
+    if family.types_key:  # gpt-oss: the window on the sliding layers, and its experts' keys
+        out["sliding_window"] = cfg.sliding_window
+        out["layer_types"] = [
+            ("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)
+        ]
+        out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS}, output_router_logits=False)
+        out.update(swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
     if family.nope:  # SmolLM3
         out["no_rope_layers"] = [int(cfg.layer_rope(i)) for i in range(layers)]
     # the class's special-token defaults where the vocabulary holds them (else its embedding refuses)
@@ -97,6 +104,9 @@ _MOE_FIXED = {
     },
     "qwen3_moe": _NO_DEEPSEEK,
     "glm4_moe": _DEEPSEEK_ROUTING,
+    # gpt-oss: softmax over the top-k logits (the top k renormalised), its clamped SwiGLU, one expert width
+    "gpt_oss": {**_NO_DEEPSEEK, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": None}
+    | {"moe_intermediate_size": 0, "num_local_experts": "> 0", "swiglu_limit": "a number"},
     "deepseek_v3": _DEEPSEEK_ROUTING,
 }
 
@@ -110,7 +120,11 @@ def _refuse_export(cfg, name: str) -> None:
     """One line when the model has a switch the family's transformers class lacks."""
     for key, value in _MOE_FIXED.get(name, {}).items():
         have = getattr(cfg, key)
-        if have != value and not (key == "mlp_only_layers" and not have):
+        if value == "> 0" or value == "a number":  # gpt-oss: experts always, clamped always
+            bad = not have if value == "> 0" else have is None
+        else:
+            bad = have != value and not (key == "mlp_only_layers" and not have)
+        if bad:
             raise CheckpointError(
                 f"model.{key}={have!r}: transformers' {FAMILIES[name].architecture} has no such setting "
                 f"(it needs {value!r}); this model does not export to Hugging Face as {name}"
@@ -120,8 +134,13 @@ def _refuse_export(cfg, name: str) -> None:
 def hf_config(cfg) -> dict:
     """config.json for transformers' model class of the family (Mixtral's for a llama with experts)."""
     name = cfg.family if FAMILIES[cfg.family].experts or not cfg.num_local_experts else "mixtral"
-    if cfg.num_local_experts:
+    if cfg.num_local_experts or name == "gpt_oss":
         _refuse_export(cfg, name)
+    if cfg.swiglu_limit is not None and name != "gpt_oss":
+        raise CheckpointError(
+            f"model.swiglu_limit={cfg.swiglu_limit}: transformers' {FAMILIES[name].architecture} has no clamped "
+            f"SwiGLU (gpt_oss has); this model does not export to Hugging Face as {name}"
+        )
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     rope |= {"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1.0 else {}
     layer_rope = FAMILIES[name].layer_rope

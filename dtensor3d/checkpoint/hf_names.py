@@ -19,6 +19,7 @@ from ..config.hf_config import (  # noqa: F401  (re-exported)
     MLA_DEFAULTS,
     QWEN3_MOE_KEYS,
 )
+from . import hf_gpt_oss
 from .check import expected_shapes
 from .slices import SliceReader, full_index
 
@@ -54,9 +55,11 @@ class HFNames:
 
     def __init__(self, family: str):
         self.moe = FAMILIES[family].hf_moe
+        self.gpt_oss = FAMILIES[family].expert_bias  # gpt-oss's experts and router (checkpoint/hf_gpt_oss.py)
 
     def plain(self, name: str) -> str:
         name = LAYERS + name[len(MTP) :] if name.startswith(MTP) else name
+        name = hf_gpt_oss.plain(name) if self.gpt_oss else name
         if self.moe == "block_sparse_moe":
             return name
         return name.replace(".block_sparse_moe.shared_expert.", ".mlp.shared_experts.").replace(
@@ -80,6 +83,9 @@ def hf_shapes(cfg) -> dict[str, list[int]]:
     names, out = HFNames(cfg.family), {}
     fused = FAMILIES[cfg.family].fused
     for name, shape in expected_shapes(cfg).items():
+        if names.gpt_oss and hf_gpt_oss.part(name):
+            out.update(dict([hf_gpt_oss.hf_shape(name, shape)] if hf_gpt_oss.hf_shape(name, shape) else []))
+            continue
         split = names.experts(name, shape[0]) if EXPERTS_RE.match(name) else None
         part = fused_part(name) if fused else None
         if part:  # rows stacked in the fused tensor
@@ -97,6 +103,22 @@ def to_hf_lazy(name: str, source: SliceReader, family: str = "llama") -> dict[st
     each tensor (each expert of a stacked one) is read when it is written, so an export
     holds one at a time."""
     names, shape, dtype = HFNames(family), source.shape(name), source.dtype(name)
+    pair = hf_gpt_oss.part(name) if names.gpt_oss else None
+    if pair:  # gpt-oss: gate and up interleaved in one tensor, written with the gate
+        theirs, half, partner = pair
+        if half is None:
+            return {theirs: (dtype, shape, lambda: source.get(name))}
+        return (
+            {}
+            if half
+            else {
+                theirs: (
+                    dtype,
+                    hf_gpt_oss.hf_shape(name, shape)[1],
+                    lambda: hf_gpt_oss.interleave(source.get(name), source.get(partner)),
+                )
+            }
+        )
     split = names.experts(name, shape[0]) if EXPERTS_RE.match(name) else None
     part = fused_part(name) if FAMILIES[family].fused else None
     if part:  # the first part writes the fused tensor (its rows: every part's), the others nothing
@@ -139,6 +161,7 @@ class HFSlices(SliceReader):
         super().__init__(root, full_index(root, weight_map))
         self.names = HFNames(family)
         self.fused, self.root = FAMILIES[family].fused, root
+        self.gpt_oss = hf_gpt_oss.Reader(self, SliceReader) if self.names.gpt_oss else None
 
     def _part(self, name: str) -> tuple[str, int, int] | None:
         """A fused tensor's part: (the fused name, its first row there, its rows), by the
@@ -166,7 +189,12 @@ class HFSlices(SliceReader):
         count = sum(1 for n in self.index if n.startswith(prefix) and n.endswith(f".{proj}.weight"))
         return self.names.experts(name, count)
 
+    def _pair(self, name: str) -> bool:
+        return self.gpt_oss is not None and hf_gpt_oss.part(name) is not None
+
     def shape(self, name: str) -> list[int]:
+        if self._pair(name):
+            return self.gpt_oss.shape(name)
         part = self._part(name)
         if part:
             return [part[2], super().shape(part[0])[1]]
@@ -177,6 +205,8 @@ class HFSlices(SliceReader):
         return [len(keys), d_in, d_out]
 
     def dtype(self, name: str) -> torch.dtype:
+        if self._pair(name):
+            return self.gpt_oss.dtype(name)
         part = self._part(name)
         if part:
             return super().dtype(part[0])
@@ -184,6 +214,8 @@ class HFSlices(SliceReader):
         return super().dtype(keys[0] if keys else self.names.plain(name))
 
     def read(self, name: str, start=None, size=None) -> torch.Tensor:
+        if self._pair(name):
+            return self.gpt_oss.read(name, start, size)
         part = self._part(name)
         if part:
             start, size = list(start or [0, 0]), list(size or self.shape(name))

@@ -32,6 +32,9 @@ class Family:
     qk_norm_key: bool = False  # config.json's use_qk_norm turns the per-head q/k norm on (GLM-4.5)
     prediction_layers: bool = False  # the checkpoint may hold multi-token prediction layers past the last, unread
     fused: bool = False  # the checkpoint fuses q/k/v into qkv_proj and gate/up into gate_up_proj (Phi-3)
+    sinks: bool = False  # a learned logit per head in each row's attention softmax (gpt-oss: self_attn.sinks)
+    expert_bias: bool = False  # experts and router with biases, gate/up interleaved in gate_up_proj (gpt-oss)
+    types_key: bool = False  # config.json's layer_types picks the sliding layers (gpt-oss: every other one)
 
 
 FAMILIES = {
@@ -94,6 +97,16 @@ FAMILIES = {
         prediction_layers=True,
     ),
     "phi3": Family("phi3", "Phi3ForCausalLM", fused=True),
+    "gpt_oss": Family(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        experts=True,
+        biases=("attention_bias",),
+        hf_moe="mlp",
+        sinks=True,
+        expert_bias=True,
+        types_key=True,
+    ),
     "smollm3": Family(
         "smollm3", "SmolLM3ForCausalLM", biases=("attention_bias", "mlp_bias"), window_switch=True, nope=True
     ),

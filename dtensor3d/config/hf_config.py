@@ -48,7 +48,16 @@ FAMILY_DEFAULTS = {
     | {"max_position_embeddings": 4096},
     "glm4_moe": {"vocab_size": 151552, "intermediate_size": 10944, "num_hidden_layers": 46, "num_attention_heads": 96}
     | {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    "gpt_oss": {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36}
+    | {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072}
+    | {"rms_norm_eps": 1e-5, "sliding_window": 128, "rope_theta": 150000.0},
 }
+# GptOssConfig's: its expert and router keys (softmax over the top-k logits: softmax, then the top k
+# renormalised), attention biases on, and its YaRN scaling when config.json gives none.
+GPT_OSS_DEFAULTS = {"num_local_experts": 128, "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001}
+GPT_OSS_DEFAULTS |= {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+GPT_OSS_ROPE |= {"original_max_position_embeddings": 4096}
 
 
 def family_defaults(kind: str) -> dict:
@@ -99,6 +108,8 @@ def _moe_values(hf: dict, kind: str) -> dict:
     """The mixture-of-experts fields of a Mixtral, Qwen3-MoE or DeepSeek-V3 config.json."""
     if kind == "mixtral":
         return {key: hf.get(key, default) for key, default in MIXTRAL_DEFAULTS.items()}
+    if kind == "gpt_oss":
+        return {key: hf.get(key, default) for key, default in GPT_OSS_DEFAULTS.items()} | {"norm_topk_prob": True}
     if kind in ("deepseek_v3", "glm4_moe"):  # sigmoid scores with the correction bias; no aux loss in transformers
         glm = kind == "glm4_moe"
         defaults = DEEPSEEK_MOE_DEFAULTS | (GLM4_MOE_DEFAULTS if glm else {})
@@ -141,6 +152,8 @@ def _rope_from_hf(hf: dict, where: str, default_theta: float) -> tuple[float, di
     """(rope_theta, rope_scaling, sliding_rope) from transformers 5's rope_parameters (per
     layer type: OLMo 3's) or 4's rope_theta and rope_scaling; the default RoPE is no scaling."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # a 4.x scaling wins
+    if hf.get("model_type") == "gpt_oss" and not hf.get(key):
+        hf = hf | {key: GPT_OSS_ROPE}
     theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", default_theta))
     params = dict(hf.get(key) or {})
     if "full_attention" not in params:
@@ -184,7 +197,9 @@ def _window_values(hf: dict, family, layers: int, defaults: dict) -> dict:
     window = hf.get("sliding_window", defaults["sliding_window"]) if windowed else None
     if window is None:
         return {"sliding_window": None, "layer_types": None}
-    types = hf.get("layer_types") if family.window_switch or family.layer_rope else None
+    types = hf.get("layer_types") if family.window_switch or family.layer_rope or family.types_key else None
+    if family.types_key and types is None:  # GptOssConfig's default: sliding, full, sliding, ...
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if family.window_switch and types is None:
         start = hf.get("max_window_layers", defaults["max_window_layers"])
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
@@ -228,7 +243,7 @@ def hf_model_values(hf: dict, where: str) -> dict:
         **({"nope_layers": _nope_layers(hf, values["num_hidden_layers"])} if family.nope else {}),
         hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
         **({"query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256)} if family.sandwich_norms else {}),
-        **{key: bool(hf.get(key, False)) for key in family.biases},
+        **{key: bool(hf.get(key, kind == "gpt_oss")) for key in family.biases},  # GptOssConfig's: True
     )
     return values
 

@@ -73,6 +73,7 @@ class ModelConfig:
         "gemma3_text",
         "phi3",
         "glm4_moe",
+        "gpt_oss",
     ] = knob("llama", "the architecture (README: Model families); its Hugging Face model_type on export")
     head_dim: int | None = knob(None, "width of one attention head; null: hidden_size / num_attention_heads")
     attention_bias: bool = knob(False, "biases on q, k, v and o (llama, qwen3)")
@@ -98,6 +99,12 @@ class ModelConfig:
     query_pre_attn_scalar: int | None = knob(
         None, "attention scores scaled by its -1/2 power (Gemma 3); null: head_dim's"
     )
+    swiglu_limit: float | None = knob(
+        None,
+        "the experts' clamped SwiGLU (gpt-oss): (up + 1) * gate * sigmoid(swiglu_alpha * gate), gate clamped "
+        "above and up on both sides at this limit; null: the plain SwiGLU",
+    )
+    swiglu_alpha: float = knob(1.702, "the clamped SwiGLU's sigmoid gain (gpt-oss)")
     # Multi-head latent attention (family deepseek_v3: models/mla.py), by DeepseekV3Config's names.
     q_lora_rank: int | None = knob(None, "MLA: the query's low-rank width; null: one full query projection")
     kv_lora_rank: int = knob(32, "MLA: the compressed key/value latent's width", positive=True)
@@ -217,6 +224,16 @@ class ModelConfig:
         return index not in (self.nope_layers or ())
 
     @property
+    def sinks(self) -> bool:
+        """A learned logit per head in each attention row's softmax (gpt-oss: self_attn.sinks)."""
+        return FAMILIES[self.family].sinks
+
+    @property
+    def expert_bias(self) -> bool:
+        """Biases on the experts' projections and on the router (gpt-oss)."""
+        return bool(self.num_local_experts) and FAMILIES[self.family].expert_bias
+
+    @property
     def mla(self) -> bool:
         """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
         return FAMILIES[self.family].mla
@@ -239,16 +256,32 @@ class TrainingConfig:
     max_skipped_steps: int = knob(10, "on_nonfinite=skip: stop after this many consecutive skipped steps")
     timeout_s: float = knob(600.0, "seconds a collective (and the rendezvous of nodes) may take before the run ends")
     compile: bool = knob(False, "torch.compile each decoder block (parameter names unchanged)")
+    float8: dict | None = knob(
+        None,
+        "float8 matmuls through torchao (needs dtype: bfloat16): {recipe: tensorwise | rowwise, fsdp_all_gather: "
+        "true | false} on the decoder blocks' linears (dims divisible by 16; embedding, head, router and experts "
+        "stay bf16); fsdp_all_gather (tensorwise, dp shard): FSDP2 gathers float8 weights; null: off",
+    )
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW and its learning-rate schedule (config/lr.py)."""
+    """AdamW or Muon, and the learning-rate schedule (config/lr.py)."""
 
+    name: Literal["adamw", "muon"] = knob(
+        "adamw",
+        "adamw; or muon: every 2-D matrix inside the decoder layers (each expert's alone) on torch.optim.Muon's "
+        "update, the rest (embeddings, head, norms, biases, router gate) on AdamW in the same step",
+    )
     lr: float = knob(1e-3, "the peak learning rate")
     weight_decay: float = knob(0.1, "AdamW's decoupled weight decay (matrices only)")
     betas: tuple[float, float] = knob((0.9, 0.95), "AdamW's betas")
     eps: float = knob(1e-8, "AdamW's epsilon")
+    state_dtype: Literal["float32", "bfloat16", "8bit"] = knob(
+        "float32",
+        "AdamW's moments: float32; bfloat16 (both moments in bf16, the update rounded stochastically: torchao's "
+        "_AdamW bf16_stochastic_round); 8bit (torchao's AdamW8bit, block-wise quantised with per-block scales)",
+    )
     clip_grad: float = knob(1.0, "clip the global gradient norm to this; 0: no clipping")
     warmup_steps: int = knob(0, "linear warmup steps to lr")
     decay: Literal["cosine", "linear", "1-sqrt", "constant"] = knob(
@@ -257,6 +290,17 @@ class OptimizerConfig:
     min_lr: float = knob(0.0, "the learning rate the decay ends at, held after it")
     decay_start: int | None = knob(None, "the step the decay begins (warmup-stable-decay); null: right after warmup")
     decay_steps: int | None = knob(None, "the decay's length in steps, then min_lr holds; null: to the last step")
+    muon_lr: float | None = knob(
+        None, "muon: the Muon matrices' peak lr on the same schedule (min_lr scaled alike); null: optimizer.lr"
+    )
+    muon_momentum: float = knob(0.95, "muon: the momentum of torch.optim.Muon")
+    muon_nesterov: bool = knob(True, "muon: Nesterov momentum")
+    muon_ns_steps: int = knob(5, "muon: Newton-Schulz iterations (torch's coefficients), 1 to 99")
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = knob(
+        "original",
+        "muon: torch.optim.Muon's adjust_lr_fn: original (lr * sqrt(max(1, out/in))) or match_rms_adamw "
+        "(lr * 0.2 * sqrt(max(out, in)), Moonlight's: AdamW's lr and weight decay carry over)",
+    )
 
 
 @dataclass(frozen=True)

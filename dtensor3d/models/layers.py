@@ -24,11 +24,19 @@ from torch.utils.checkpoint import (
 )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def mean_square(xf: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [..., 1]: the mean of squares over the last dim (what RMSNorm divides by)."""
+    return xf.pow(2).mean(-1, keepdim=True)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False, mean_sq: Callable = mean_square
+) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32 and scaled in x's dtype; `offset`: scaled
-    by 1 + weight in fp32 (Gemma's x·(1+w)), then cast."""
+    by 1 + weight in fp32 (Gemma's x·(1+w)), then cast. `mean_sq`: how the mean of squares
+    is taken (a caller holding a slice of the normalised dim passes one over every slice)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt(mean_sq(xf) + eps)
     if offset:
         return (xf * (1.0 + weight.float())).type_as(x)
     return weight * xf.type_as(x)
@@ -86,6 +94,31 @@ def document_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention with a learned sink per head (gpt-oss): one more logit, `sinks` [h], in each
+    row's softmax, whose value is zero -- it only takes its share of the probability. q: [b, h,
+    sq, d]; k, v: [b, kv_h, sk, d]; mask: bool, broadcast to [b, h, sq, sk] (True: visible).
+    The scores as transformers' eager kernel computes them ([b, h, sq, sk] kept)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [b, h, sq, sk]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
+def sequence_mask(q: torch.Tensor, document_ids: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """The bool mask of one device's whole sequences: causal, within the `window`, within documents."""
+    index = torch.arange(q.shape[2], device=q.device)
+    if document_ids is None:
+        return visible(index, index, window)
+    return document_mask(document_ids, document_ids, index, index, window)
+
+
 class KVCache:
     """Keys and values of the tokens already seen, per attention layer, for generation
     (datasets-free, single device; generate.py is its user).
@@ -114,15 +147,22 @@ class KVCache:
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int = 0,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [b, h, new, d] for the last `new` positions of k, v: [b, kv_h, total, d], whose
-    first is at position `start`; query i sees the keys `visible` to it."""
+    first is at position `start`; query i sees the keys `visible` to it (and the `sinks`)."""
     new, total = q.shape[2], k.shape[2]
-    if new == total and start == 0:
+    if new == total and start == 0 and sinks is None:
         return causal_attention(q, k, v, window)
     query_pos = torch.arange(start + total - new, start + total, device=q.device)
     mask = visible(query_pos, torch.arange(start, start + total, device=q.device), window)  # [new, total]
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -143,10 +183,14 @@ class SequenceLayout:
         v: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Exact causal attention of this rank's queries over the whole sequence's keys;
         with `document_ids` [b, s_local] (this rank's tokens), within their documents; with
-        a sliding `window`, over each query's last `window` positions only."""
+        a sliding `window`, over each query's last `window` positions only; with `sinks` [h]
+        (this rank's heads), one more logit per head in each row's softmax (`sink_attention`)."""
+        if sinks is not None:
+            return sink_attention(q, k, v, sinks, sequence_mask(q, document_ids, window))
         if document_ids is None:
             return causal_attention(q, k, v, window)
         return document_attention(q, k, v, document_ids, window)
@@ -274,4 +318,4 @@ def init_std(name: str) -> float | None:
     """Initial std of a parameter by name; None means ones (norm weights), 0.0 zeros (biases)."""
     if name.endswith("norm.weight"):
         return None
-    return 0.0 if name.endswith((".bias", "e_score_correction_bias")) else 0.02
+    return 0.0 if name.endswith((".bias", "_bias", "e_score_correction_bias")) else 0.02

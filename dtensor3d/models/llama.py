@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from .layers import MLP, KVCache, ModelHooks, RMSNorm, cached_attention, mask_padded_vocab, recompute_context
 from .mla import MultiHeadLatentAttention
 from .moe import MoE
-from .mtp import make_mtp_layer, mtp_forward
+from .mtp import make_mtp_layer, mtp_forward, mtp_token_ids
 from .rope import apply_rope, inv_freq, rope_tables
 
 
@@ -60,6 +60,8 @@ class Attention(nn.Module):
             self.norm_whole = whole
         # Gemma 3's query_pre_attn_scalar: scores scaled by its -1/2 power, not head_dim's
         self.q_scale = (hd / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
+        if cfg.sinks:  # gpt-oss: a learned logit per head in each row's softmax (tensor parallelism splits it)
+            self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads))
 
     def forward(
         self,
@@ -89,11 +91,18 @@ class Attention(nn.Module):
             q, k = (_rope_part(t, cos.to(t.dtype), sin.to(t.dtype), self.rotary_dim) for t in (q, k))
         if self.q_scale != 1.0:
             q = q * self.q_scale
+        sinks = getattr(self, "sinks", None)
+        sinks = sinks.to_local() if hasattr(sinks, "to_local") else sinks  # this rank's heads' (tensor parallelism)
         if cache is None:
-            out = self.sequence.attention(q, k, v, document_ids, window=self.window)  # [b, h, s, d]
-        else:
-            out = cached_attention(q, *cache.update(self, k, v, self.window), window=self.window)
+            out = self.sequence.attention(q, k, v, document_ids, window=self.window, **_given(sinks=sinks))
+        else:  # [b, h, s, d]
+            out = cached_attention(q, *cache.update(self, k, v, self.window), window=self.window, sinks=sinks)
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
+
+
+def _given(**kwargs) -> dict:
+    """The keywords that are not None (a layout's attention takes `sinks` only where the model has them)."""
+    return {key: value for key, value in kwargs.items() if value is not None}
 
 
 class DecoderLayer(nn.Module):
@@ -203,16 +212,20 @@ class LlamaForCausalLM(nn.Module):
         cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        mtp_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`cache`: generation's KV cache (models/layers.py); input_ids are then the tokens
         after the cached ones, and the cache advances past them. `position_ids`,
         `document_ids` [b, s]: packed documents (each token attends only to earlier tokens of
-        its document; RoPE positions restart at each)."""
+        its document; RoPE positions restart at each). `mtp_ids` [b, s, D]: the tokens k ahead
+        of each position for MTP depth k (models/mtp.py's mtp_token_ids, made from the whole
+        window: a pipeline's last stage and a context-parallel rank's chunks do not hold them);
+        None: from input_ids."""
         if cache is None:
             given = {"position_ids": position_ids, "document_ids": document_ids}
             docs = {key: t for key, t in given.items() if t is not None}
             if self._mtp_active():
-                return self._with_mtp(input_ids, docs)
+                return self._with_mtp(input_ids, docs, mtp_ids)
             h = self.model(input_ids, **docs)
         else:
             h = self.model(input_ids, cache)
@@ -226,12 +239,14 @@ class LlamaForCausalLM(nn.Module):
         generate see the main model's logits alone."""
         return self.model.mtp is not None and self.training and torch.is_grad_enabled()
 
-    def _with_mtp(self, input_ids: torch.Tensor, docs: dict) -> torch.Tensor:
+    def _with_mtp(self, input_ids: torch.Tensor, docs: dict, mtp_ids: torch.Tensor | None) -> torch.Tensor:
         """[b, s, 1 + D, padded vocab]: the main logits, then each MTP depth's (models/mtp.py)."""
         keep: list = []
+        if mtp_ids is None:
+            mtp_ids = mtp_token_ids(input_ids, self.cfg.num_nextn_predict_layers)
         h = self.model(input_ids, keep=keep, **docs)
         h0 = keep[0] if self.cfg.mtp_hidden == "pre_norm" else h
-        hs = [h, *mtp_forward(self.model, input_ids, h0, **docs)]
+        hs = [h, *mtp_forward(self.model, mtp_ids, h0, **docs)]
         return torch.stack([mask_padded_vocab(self.lm_head(x), self.cfg.vocab_size, self.hooks) for x in hs], dim=2)
 
     def keep_only(self, layers: range, first: bool, last: bool) -> LlamaForCausalLM:

@@ -62,21 +62,48 @@ def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == w.dtype and use_grouped_mm(x.device.type, x.dtype, rows)
 
 
-class Experts(nn.Module):
-    """E SwiGLU experts stacked: w1 (gate) and w3 (up) [E, hidden, inter], w2 (down) [E, inter, hidden]."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation, as transformers' GptOssExperts computes it: the gate clamped
+    above and the up projection on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+
+class Experts(nn.Module):
+    """E SwiGLU experts stacked: w1 (gate) and w3 (up) [E, hidden, inter], w2 (down) [E, inter, hidden];
+    with `bias` (gpt-oss) their biases w1_bias, w3_bias [E, inter] and w2_bias [E, hidden]; with
+    `limit` (gpt-oss's swiglu_limit) the clamped SwiGLU of gain `alpha` (`clamped_swiglu`)."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, bias: bool = False, limit: float | None = None, alpha=1.702
+    ):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        if bias:
+            self.w1_bias = nn.Parameter(torch.empty(num_experts, inter))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden))
+            self.w3_bias = nn.Parameter(torch.empty(num_experts, inter))
+        self.limit, self.alpha = limit, alpha
         self.grouped_mm: bool | None = None  # None: decide from device and dtype
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         grouped = self.grouped_mm if self.grouped_mm is not None else grouped_mm_available(x, w1)
-        h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
-        return expert_matmul(h, w2, counts, grouped)
+        gate, up = expert_matmul(x, w1, counts, grouped), expert_matmul(x, w3, counts, grouped)
+        rows = None
+        if hasattr(self, "w1_bias"):  # each row's expert's bias
+            rows = torch.repeat_interleave(
+                torch.arange(len(counts), device=x.device), torch.tensor(counts).to(x.device)
+            )
+            b1, b2, b3 = (
+                b.to_local() if hasattr(b, "to_local") else b for b in (self.w1_bias, self.w2_bias, self.w3_bias)
+            )
+            gate, up = gate + b1[rows], up + b3[rows]
+        h = F.silu(gate) * up if self.limit is None else clamped_swiglu(gate, up, self.limit, self.alpha)
+        out = expert_matmul(h, w2, counts, grouped)
+        return out if rows is None else out + b2[rows]
 
 
 def local_dispatch(experts: Experts, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -115,12 +142,15 @@ class Router(nn.Module):
         self.n_group, self.topk_group, self.norm = cfg.n_group, cfg.topk_group, cfg.norm_topk_prob
         self.scale = cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.num_local_experts, cfg.hidden_size))
+        if cfg.expert_bias:  # gpt-oss's router has a bias
+            self.bias = nn.Parameter(torch.empty(cfg.num_local_experts))
         if cfg.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_local_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, h] -> (scores [T, E] fp32, weights [T, k] fp32, chosen experts [T, k])."""
-        logits = F.linear(x.float(), self.weight.float())
+        bias = getattr(self, "bias", None)
+        logits = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
         choice = scores
         if hasattr(self, "e_score_correction_bias"):
@@ -147,7 +177,8 @@ class MoE(nn.Module):
         self.hooks = hooks or ModelHooks()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+        inter, limit = cfg.expert_intermediate_size, cfg.swiglu_limit
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, inter, cfg.expert_bias, limit, cfg.swiglu_alpha)
         self.shared_expert = None
         if cfg.shared_intermediate_size:
             self.shared_expert = MLP(cfg, cfg.shared_intermediate_size)

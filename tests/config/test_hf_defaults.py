@@ -11,6 +11,8 @@ from dtensor3d.config.hf_config import (
     FAMILY_DEFAULTS,
     GLM4_MOE_DEFAULTS,
     GLM4_MOE_SIZES,
+    GPT_OSS_DEFAULTS,
+    GPT_OSS_ROPE,
     MIXTRAL_DEFAULTS,
     MLA_DEFAULTS,
     QWEN3_MOE_DEFAULTS,
@@ -46,8 +48,9 @@ MOE_TABLES = {
     "qwen3_moe": QWEN3_MOE_DEFAULTS,
     "deepseek_v3": MLA_DEFAULTS | DEEPSEEK_MOE_DEFAULTS,
     "glm4_moe": DEEPSEEK_MOE_DEFAULTS | GLM4_MOE_DEFAULTS | GLM4_MOE_SIZES,
+    "gpt_oss": GPT_OSS_DEFAULTS,
 }
-EXPERTS = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"} | dict.fromkeys(
+EXPERTS = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "qwen3_moe": "num_experts"} | dict.fromkeys(
     ("deepseek_v3", "glm4_moe"), "n_routed_experts"
 )
 MOE_FIELDS = (
@@ -122,3 +125,13 @@ def test_defaults_table_matches_transformers(kind):
             assert cfg.num_key_value_heads == cfg.num_attention_heads, kind
         elif hasattr(cfg, key):
             assert getattr(cfg, key) == value, f"{kind}.{key}: transformers {getattr(cfg, key)!r}, ours {value!r}"
+
+
+def test_gpt_oss_rope_default_is_its_yarn():
+    """A gpt-oss config.json without rope_parameters reads as GptOssConfig's YaRN (factor 32, truncate off)."""
+    cfg = transformers.GptOssConfig()
+    theirs = {k: v for k, v in cfg.rope_parameters.items() if k != "rope_theta"}
+    assert theirs == GPT_OSS_ROPE
+    values = hf_model_values({"model_type": "gpt_oss"}, "config.json")
+    assert values["rope_scaling"] == GPT_OSS_ROPE and values["rope_theta"] == cfg.rope_parameters["rope_theta"]
+    assert values["attention_bias"] and values["layer_types"][:2] == ["sliding_attention", "full_attention"]

@@ -149,6 +149,32 @@ FAMILIES = {
         ),
         "mlp.shared_experts.gate_proj.weight",
     ),
+    # gpt-oss: a learned sink logit per head, layers 0 and 2 sliding (window 12), YaRN (truncate off),
+    # attention biases, 4 experts with biases (gate/up interleaved in gate_up_proj), router bias,
+    # softmax over the top-2 logits, the SwiGLU clamped at 1.5 (reached by the random weights)
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=12,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=24,
+            swiglu_limit=1.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=8.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=32,
+                rope_theta=123456.0,
+            ),
+            **NO_TOKENS,
+        ),
+        "self_attn.sinks",
+    ),
     # The head tied to the embedding (Qwen2's small models ship so): one tensor in the file.
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True), "q_proj.bias"),
     # layer 0 sparse, layer 1 dense (mlp_only_layers); softmax top-2 of 4 without renormalising
@@ -197,7 +223,9 @@ def test_logits_equal_transformers(family):
 
 # The families whose attention differs in what positions do: llama3 and yarn RoPE scalings,
 # Qwen3's per-head q/k norms and head_dim (qwen2 and mistral attend as llama does).
-@pytest.mark.parametrize("family", ["llama3", "llama_yarn", "qwen3", "deepseek_v3", "qwen2_window"], indirect=True)
+@pytest.mark.parametrize(
+    "family", ["llama3", "llama_yarn", "qwen3", "deepseek_v3", "qwen2_window", "gpt_oss"], indirect=True
+)
 def test_packed_documents_equal_each_document_alone(family):
     # Two windows of a packed stream (documents of 1 to 45 tokens, the first window starting
     # inside one): the positions and document ids data.document_masking gives them (the
