@@ -62,12 +62,14 @@ def _strided(pl) -> bool:
     return isinstance(pl, _StridedShard)
 
 
-def held_indices(t: torch.Tensor) -> list[Sequence[int]]:
-    """For each dim of `t`'s full shape, the global indices this rank's local piece holds, in local order."""
+def held_indices(t: torch.Tensor, coord: Sequence[int] | None = None) -> list[Sequence[int]]:
+    """For each dim of `t`'s full shape, the global indices the local piece at mesh coordinate
+    `coord` (None: this rank's) holds, in local order."""
     idx: list[Sequence[int]] = [range(n) for n in t.shape]
     if not is_dtensor(t):
         return idx
-    mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate() if coord is None else coord
     for mdim, pl in enumerate(t.placements):
         m, c = mesh.size(mdim), coord[mdim]
         if _strided(pl):

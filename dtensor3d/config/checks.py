@@ -8,6 +8,7 @@ import math
 
 from ..errors import RecipeError
 from .data_sources import mixture_problem
+from .low_precision import validate_low_precision
 from .families import FAMILIES, rope_problem
 from .moe_checks import validate_experts, validate_mla
 from .mtp_checks import validate_mtp
@@ -42,6 +43,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_rest(recipe)
     _validate_family(recipe)
     validate_mtp(recipe)
+    validate_low_precision(recipe)
 
 
 def _validate_family(recipe: Recipe) -> None:
@@ -104,23 +106,18 @@ def _validate_windows(m: ModelConfig) -> None:
 
 
 def _validate_switches(m: ModelConfig, p: ParallelismConfig) -> None:
-    """NoPE layers (SmolLM3) and the whole-projection q/k norm (OLMo 2) against the family and tp."""
+    """NoPE layers (SmolLM3); norms after the sublayers (OLMo 2, Gemma 3) against sequence parallelism."""
     bad = [i for i in m.nope_layers or () if not 0 <= i < m.num_hidden_layers]
     if bad:
         last = m.num_hidden_layers - 1
         raise RecipeError(f"model.nope_layers={list(m.nope_layers)}: no layer {bad[0]}; valid: 0 to {last}")
-    if (m.post_norms or m.sandwich_norms) and p.sequence_parallel and not m.qk_norm_whole:
+    if (m.post_norms or m.sandwich_norms) and p.sequence_parallel:
         raise RecipeError(
             f"parallelism.tp_mode={p.tp_mode}: family {m.family!r} has norms after attention and the MLP, which "
             "sequence parallelism does not shard; use tp_mode: ALL_REDUCE"
         )
     if m.hidden_act != "silu" and m.num_local_experts:
         raise RecipeError(f"model.hidden_act={m.hidden_act!r}: experts are SwiGLU; use silu with num_local_experts > 0")
-    if m.qk_norm_whole and p.tp > 1:
-        raise RecipeError(
-            f"parallelism.tp={p.tp}: family {m.family!r} normalises q and k over all heads at once, which tp "
-            "would split; use tp: 1 (dp, cp and pp run it)"
-        )
 
 
 def _validate_model(m: ModelConfig, p: ParallelismConfig) -> None:
@@ -302,6 +299,14 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
         )
     if not all(0.0 <= b < 1.0 for b in o.betas):
         raise RecipeError(f"optimizer.betas={list(o.betas)}: each beta must be in [0, 1)")
+    if not 1 <= o.muon_ns_steps < 100:
+        raise RecipeError(
+            f"optimizer.muon_ns_steps={o.muon_ns_steps}: Newton-Schulz needs 1 to 99 iterations (torch.optim.Muon's)"
+        )
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise RecipeError(f"optimizer.muon_momentum={o.muon_momentum}: must be in [0, 1)")
+    if o.muon_lr is not None and o.muon_lr <= 0:
+        raise RecipeError(f"optimizer.muon_lr={o.muon_lr}: need > 0; null: optimizer.lr")
 
 
 def _validate_decay(o: OptimizerConfig, steps: int) -> None:

@@ -15,13 +15,22 @@ def _mesh_key(p: torch.Tensor) -> tuple:
     return ()
 
 
-def build_optimizer(model_parts: list[nn.Module], opt) -> torch.optim.AdamW:
+def build_optimizer(model_parts: list[nn.Module], opt) -> torch.optim.Optimizer:
+    """optimizer.name: adamw (every parameter) or muon (training/muon.py: the decoder layers'
+    matrices on Muon, the rest on this AdamW). Each group's scheduled lr is lr_at times its
+    `lr_scale` (absent: 1)."""
+    if opt.name == "muon":
+        from .muon import build_muon
+
+        return build_muon(model_parts, opt, adamw)
+    return adamw([p for part in model_parts for p in part.parameters() if p.requires_grad], opt)
+
+
+def adamw(params: list[torch.Tensor], opt) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only, one param group per (decay, mesh)."""
     groups: dict[tuple, list] = {}
-    for part in model_parts:
-        for p in part.parameters():
-            if p.requires_grad:
-                groups.setdefault((p.ndim >= 2, _mesh_key(p)), []).append(p)
+    for p in params:
+        groups.setdefault((p.ndim >= 2, _mesh_key(p)), []).append(p)
     param_groups = [
         {"params": ps, "weight_decay": opt.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()
     ]

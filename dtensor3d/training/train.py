@@ -29,7 +29,7 @@ from ..datasets.sources import epoch_note, make_source
 from ..errors import UserError, is_rank0
 from ..mesh import build_mesh, init_distributed, mesh_coords, set_timeout
 from ..models import materialize
-from ..parallel import context, data, expert, pipeline, tensor, tied
+from ..parallel import context, data, expert, float8, pipeline, tensor, tied
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
@@ -121,6 +121,8 @@ def setup(recipe: Recipe) -> TrainState:
     if loss_rows is not None:  # the mixture's sources, in make_source's order (Mixture.names)
         state.loss_rows, state.source_names = loss_rows, tuple(s.name for _, s in unique_sources(recipe.data))
     checkpoint.load_at_start(state)  # resume (model, optimizer, step, RNG) or Hugging Face init
+    if recipe.training.float8 is not None and is_rank0():  # which linears run in float8 (this stage's, rank 0)
+        print(float8.describe(float8.converted(model), recipe), flush=True)
     return state
 
 
@@ -200,8 +202,9 @@ def train_step(
     if bad is None and reason is None:
         clip_(state.params, grad_norm, recipe.optimizer.clip_grad)
         for group in state.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group: muon_lr / lr (training/muon.py)
         state.optimizer.step()
+        float8.precompute_scales(state.model, recipe)  # FSDP's float8 all-gather: next step's scales, one all-reduce
         balance.update_router_bias(state.model, recipe, stats[2 : 2 + len(moe)])
     state.step += 1
     metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
@@ -271,8 +274,9 @@ def renormalise(state: TrainState, loss_sum: torch.Tensor, loss_tokens: int | No
 def rank_batch(state: TrainState, source, step: int) -> tuple:
     """This rank's (inputs, targets) of global batch `step`: its samples (dp, ep) and its
     tokens of each (cp), on its device; with data.document_masking, then the dict of its
-    tokens' position_ids and document_ids."""
-    batch = data.rank_samples(state.recipe, state.coords, source, step)
+    tokens' position_ids and document_ids (and with MTP, its targets k ahead and mtp_ids,
+    made from the whole windows before the cp split: training/mtp_loss.expand_batch)."""
+    batch = mtp_loss.expand_batch(state.recipe, data.rank_samples(state.recipe, state.coords, source, step))
     return data.batch_to(context.shard_batch(batch, state.recipe.parallelism, state.coords), state.device)
 
 

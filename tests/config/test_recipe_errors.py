@@ -144,7 +144,11 @@ CASES = [
         ("parallelism.tp_mode=REDUCE_SCATTER", "'gemma3_text'", "ALL_REDUCE"),
         edit={"model.family": "gemma3_text", "parallelism.tp": 2, "parallelism.tp_mode": "REDUCE_SCATTER"},
     ),
-    Case("olmo2-tp", ("parallelism.tp=2", "'olmo2'", "tp: 1"), edit={"model.family": "olmo2", "parallelism.tp": 2}),
+    Case(
+        "olmo2-sequence-parallel",
+        ("parallelism.tp_mode=REDUCE_SCATTER", "'olmo2'", "ALL_REDUCE"),
+        edit={"model.family": "olmo2", "parallelism.tp": 2, "parallelism.tp_mode": "REDUCE_SCATTER"},
+    ),
     Case(
         "window-mla",
         ("model.sliding_window=8", "deepseek_v3"),
@@ -218,6 +222,15 @@ CASES = [
     ),
     Case("decay-steps-zero", ("optimizer.decay_steps=0", ">= 1"), edit={"optimizer.decay_steps": 0}, command="launch"),
     Case("enum-device", ("device='gpu'", "cuda"), edit={"training.device": "gpu"}),
+    # -- Muon (training/muon.py)
+    Case("muon-ns-steps-zero", ("optimizer.muon_ns_steps=0", "1 to 99"), edit={"optimizer.muon_ns_steps": 0}),
+    Case(
+        "enum-muon-adjust-lr",
+        ("muon_adjust_lr='rms'", "original", "match_rms_adamw"),
+        edit={"optimizer.name": "muon", "optimizer.muon_adjust_lr": "rms"},
+    ),
+    Case("enum-optimizer-name", ("name='sgd'", "adamw", "muon"), edit={"optimizer.name": "sgd"}),
+    Case("muon-momentum-one", ("optimizer.muon_momentum=1.0", "[0, 1)"), edit={"optimizer.muon_momentum": 1.0}),
     # -- nanotron's long names against the short ones
     Case(
         "cp-alias-conflict",

@@ -1,0 +1,96 @@
+"""optimizer.name=muon in one process, against torch.optim.Muon itself: the same gradients
+give bitwise the same weights (each stacked expert orthogonalised alone, as the Linear
+weight [out, in] a Hugging Face model holds), and the split of item 1 (which parameters are
+Muon's). Meshes: the combination matrix's optimizer.name option (tests/parallel/matrix.py)."""
+
+from __future__ import annotations
+
+import torch
+from helpers import ROOT
+
+from dtensor3d.config.load import load_recipe
+from dtensor3d.models import build_on_meta, materialize
+from dtensor3d.parallel.shards import init_weights
+from dtensor3d.training.muon import MuonAdamW
+from dtensor3d.training.optim import build_optimizer
+
+OVERRIDES = [
+    "optimizer.name=muon",
+    "optimizer.muon_lr=0.02",
+    "optimizer.weight_decay=0.2",
+    "optimizer.muon_adjust_lr=original",
+    "model.num_hidden_layers=2",
+]
+
+
+def model_and_optimizer(recipe_name: str):
+    recipe = load_recipe(str(ROOT / "tests" / "recipes" / recipe_name), OVERRIDES)
+    model = materialize(build_on_meta(recipe.model), torch.device("cpu"))
+    init_weights(model, 0)
+    return recipe, model, build_optimizer([model], recipe.optimizer)
+
+
+def test_muon_matrices_are_the_decoder_layers_matrices():
+    _, model, opt = model_and_optimizer("deepseek_parity.yaml")
+    assert isinstance(opt, MuonAdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in opt.param_groups if g.get("muon") for p in g["params"]}
+    rest = {names[id(p)] for g in opt.param_groups if not g.get("muon") for p in g["params"]}
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in muon and "model.layers.1.block_sparse_moe.experts.w2" in muon
+    assert "model.layers.1.block_sparse_moe.shared_expert.down_proj.weight" in muon
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.1.block_sparse_moe.gate.weight"} <= rest
+    assert "model.layers.0.self_attn.kv_a_layernorm.weight" in rest and not muon & rest
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert muon | rest == trained  # the router's correction bias (no gradient) is in neither
+
+
+def test_update_is_torch_muon_bitwise():
+    """3 steps on the same random gradients: every Muon matrix equal to torch.optim.Muon's (an
+    expert's [in, out] slice against torch's update of its transpose), the rest to AdamW's."""
+    recipe, model, opt = model_and_optimizer("moe_parity.yaml")
+    o = recipe.optimizer
+    muon_ids = {id(p) for g in opt.param_groups if g.get("muon") for p in g["params"]}
+    copies, torch_muon, rest = {}, [], []
+    for name, p in model.named_parameters():
+        if id(p) in muon_ids and p.ndim == 3:  # E Linear weights [out, in]
+            copies[name] = [torch.nn.Parameter(p.detach()[e].T.clone()) for e in range(p.shape[0])]
+            torch_muon += copies[name]
+        else:
+            copies[name] = [torch.nn.Parameter(p.detach().clone())]
+            (torch_muon if id(p) in muon_ids else rest).extend(copies[name])
+    ref_muon = torch.optim.Muon(
+        torch_muon, lr=o.muon_lr, weight_decay=o.weight_decay, momentum=o.muon_momentum, adjust_lr_fn="original"
+    )
+    decay = [q for q in rest if q.ndim >= 2]
+    ref_adamw = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": [q for q in rest if q.ndim < 2], "weight_decay": 0},
+        ],
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+    )
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        for name, p in model.named_parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 0.01
+            per_expert = p.ndim == 3 and id(p) in muon_ids
+            for e, q in enumerate(copies[name]):
+                q.grad = p.grad[e].T.clone() if per_expert else p.grad.clone()
+        for group in opt.param_groups:
+            group["lr"] = o.lr * (step + 1) / 3 * group.get("lr_scale", 1.0)
+        for group in ref_adamw.param_groups:
+            group["lr"] = o.lr * (step + 1) / 3
+        for group in ref_muon.param_groups:
+            group["lr"] = o.muon_lr * (step + 1) / 3
+        opt.step()
+        ref_muon.step()
+        ref_adamw.step()
+    for name, p in model.named_parameters():
+        if id(p) in muon_ids and p.ndim == 3:
+            got = [p.detach()[e].T for e in range(p.shape[0])]
+        else:
+            got = [p.detach()]
+        for g, q in zip(got, copies[name]):
+            assert torch.equal(g, q.detach()), name
