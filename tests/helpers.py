@@ -284,8 +284,9 @@ def mesh_sizes(p) -> dict[str, int]:
     }
 
 
-def expected_splits(name: str, p) -> dict[str, int | None]:
-    """{mesh axis: tensor dim it splits (None: replicated over it)} of one parameter."""
+def expected_splits(name: str, p, whole_qk_norm: bool = False) -> dict[str, int | None]:
+    """{mesh axis: tensor dim it splits (None: replicated over it)} of one parameter;
+    `whole_qk_norm`: q/k norms over the whole projection (OLMo 2), split like its columns."""
     inside_moe = ".block_sparse_moe." in name
     expert = ".experts.w" in name
     splits: dict[str, int | None] = {}
@@ -304,7 +305,7 @@ def expected_splits(name: str, p) -> dict[str, int | None]:
     if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" and name.endswith("norm.weight") and not latent_norm:
         splits["tp"] = None  # sequence parallelism: norms are tp DTensors, replicated
     if p.tp > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
-        splits["tp"] = None  # per-head norms: replicated tp DTensors at either tp mode
+        splits["tp"] = 0 if whole_qk_norm else None  # per-head norms: replicated tp DTensors at either tp mode
     return splits
 
 
@@ -329,7 +330,7 @@ def check_layout(run_dir: Path, recipe) -> int:
         params, stage = rank["params"], rank["coords"]["pp"]
         assert set(params) == {n for n in full if stage in stage_of(n, cfg, p)}, (f.name, stage)
         for name, entry in params.items():
-            want = expected_splits(name, p)
+            want = expected_splits(name, p, cfg.qk_norm_whole)
             assert actual_splits(entry) == want, (f.name, name, entry, want)
             assert entry["shape"] == full[name]
             for d, size in enumerate(full[name]):

@@ -33,8 +33,10 @@ sharded on the heads dim, so the weight's gradient is summed over tp by DTensor.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import local_map
@@ -94,6 +96,40 @@ class SequenceShardNorm(ParallelStyle):
         return module
 
 
+class _SumOverTp(torch.autograd.Function):
+    """all-reduce forward, all-reduce backward: a sum every tp rank uses on its own slice, so
+    each rank's share of the gradient is the sum of every rank's (Megatron's f and g in one)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+class WholeProjectionNorm(ParallelStyle):
+    """An RMSNorm over a whole column-parallel projection, not per head (OLMo 2's q/k norms):
+    each rank holds its heads' columns, so the weight is sharded like them (Shard(0)) and the
+    mean of squares is this rank's sum of squares all-reduced over tp ([b, s, 1] fp32, forward
+    and backward: `_SumOverTp`) over the whole width. The model's own `rms_norm` does the rest
+    on plain tensors. (DTensor's rules get the same numbers but reduce-scatter the gradient
+    at the projection's width, not the sum's.)"""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        width, group = module.weight.shape[0], device_mesh.get_group()
+        weight = distribute_tensor(module.weight.data, device_mesh, (Shard(0),))
+        module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
+
+        def mean_sq(xf: torch.Tensor) -> torch.Tensor:
+            return _SumOverTp.apply(xf.pow(2).sum(-1, keepdim=True), group) / width
+
+        module.forward = lambda x: rms_norm(x, module.weight.to_local(), module.eps, module.offset, mean_sq)
+        return module
+
+
 def _mla_rows(shared_key: int) -> dict:
     """Multi-head latent attention's own rows (q_proj and o_proj are Llama's): the per-head up
     projections column-parallel, the shared RoPE key's gradient summed; the down projections
@@ -108,14 +144,17 @@ def _mla_rows(shared_key: int) -> dict:
 
 
 def tp_plan(
-    sequence_parallel: bool, moe: bool = False, overlapped: bool = False, shared_key: int = 0
+    sequence_parallel: bool, moe: bool = False, overlapped: bool = False, shared_key: int = 0, whole_norm: bool = False
 ) -> tuple[dict, dict]:
     """(plan for the model's outer modules, plan for a decoder layer). A mixture-of-experts
     layer's feed-forward is replicated over tp and each tp rank routes a disjoint share of
     the tokens (parallel/expert.py): under sequence parallelism its sequence shard, as a
     local tensor. `overlapped` (tp_linear_async_communication's chunked path): the
-    projections parallel/async_tp.py shards itself, and their input gathers, are left out. `_mla_rows`: MLA's."""
+    projections parallel/async_tp.py shards itself, and their input gathers, are left out. `_mla_rows`: MLA's.
+    `whole_norm`: the q/k norms span the whole projection (OLMo 2): `WholeProjectionNorm`."""
     seq = Shard(1) if sequence_parallel else Replicate()
+    per_head = functools.partial(SequenceParallel, sequence_dim=1, use_local_output=True)
+    head_norm = WholeProjectionNorm if whole_norm else per_head
     outer = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
@@ -126,8 +165,8 @@ def tp_plan(
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
         # [b, heads, s, d]: this rank's heads (dim 1); a module a model lacks is skipped
-        "self_attn.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
-        "self_attn.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
+        "self_attn.q_norm": head_norm(),
+        "self_attn.k_norm": head_norm(),
     } | _mla_rows(shared_key)
     if not moe:
         layer.update(
@@ -206,9 +245,10 @@ def apply_tp(model: nn.Module, tp_mesh, parallelism, compiled: bool = False) -> 
     outer, _ = tp_plan(sequence_parallel)
     present = {path: style for path, style in outer.items() if _has_module(model, path)}
     parallelize_module(model, tp_mesh, present)
-    shared_key = model.cfg.qk_rope_head_dim if model.cfg.mla else 0
+    shared_key, whole = model.cfg.qk_rope_head_dim if model.cfg.mla else 0, model.cfg.qk_norm_whole
     for block in model.model.layers.values():
-        layer = tp_plan(sequence_parallel, hasattr(block, "block_sparse_moe"), overlap == "chunked", shared_key)[1]
+        moe = hasattr(block, "block_sparse_moe")
+        layer = tp_plan(sequence_parallel, moe, overlap == "chunked", shared_key, whole)[1]
         parallelize_module(block, tp_mesh, {path: style for path, style in layer.items() if _has_module(block, path)})
         if overlap == "chunked":
             apply_async_tp(block, tp_mesh, sequence_parallel)

@@ -52,6 +52,9 @@ def _tp_layer(recipe, moe: bool) -> tuple[dict, dict]:
     else:
         fwd = {"all_gather": blocks * part_f, "reduce_scatter": blocks * full_c}
         bwd = {"all_gather": blocks * part_c, "reduce_scatter": blocks * grad_in}
+    if recipe.model.qk_norm_whole:  # q and k's sums of squares over the whole projection (WholeProjectionNorm)
+        fwd["all_reduce"] = fwd.get("all_reduce", 0) + 2 * z.tokens * FP32
+        bwd["all_reduce"] = bwd.get("all_reduce", 0) + 2 * z.tokens * FP32
     if moe:
         stats = (2 * recipe.model.num_local_experts + 1) * z.router
         fwd["all_reduce"] = fwd.get("all_reduce", 0) + stats
@@ -138,8 +141,11 @@ def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
     dense layer's last collective -- the feed-forward's output all-reduce (reduce-scatter
     under sequence parallelism), whose result backward never reads -- is not repeated. An
     MoE layer's routing sums are read by its aux loss's backward: repeated; under ALL_REDUCE
-    its last collective, the outputs' all-gather, is not."""
+    its last collective, the outputs' all-gather, is not. With a norm after the feed-forward
+    (OLMo 2, Gemma 3) backward reads that output too: every collective is repeated."""
     z, p = sizes(recipe), recipe.parallelism
+    if recipe.model.post_norms or recipe.model.sandwich_norms:
+        return fwd  # a norm after the feed-forward reads its reduced output: recompute runs that too
     if moe:
         return {k: n for k, n in fwd.items() if k != "all_gather" or p.sequence_parallel}
     if p.sequence_parallel and chunked_async(recipe):
@@ -204,7 +210,8 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
     if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
         norms = 2 * len(layers) + part.last
         _add(per_step, {"all_reduce": norms * z.hidden * width})
-    if recipe.model.qk_norm:  # per-head q/k norms see this rank's heads: their gradients summed too
+    if recipe.model.qk_norm and not recipe.model.qk_norm_whole:
+        # per-head q/k norms see this rank's heads: their gradients summed too
         _add(per_step, {"all_reduce": 2 * len(layers) * recipe.model.head_dim * width})
     _add(per_step, {"all_reduce": moe_grad_numel(recipe, part) * FP32})
     return _kinds(**per_step)

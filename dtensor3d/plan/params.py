@@ -23,7 +23,7 @@ def _local_shape(recipe, name: str, shape: tuple[int, ...]) -> list[int]:
     """The shape of this parameter's tp / ep piece (before FSDP)."""
     p = recipe.parallelism
     shape = list(shape)
-    dim = tp_dim(name)
+    dim = tp_dim(name, recipe.model)
     if p.tp_enabled and dim is not None:
         shape[dim] //= p.tp
     if p.ep_enabled and ".experts." in name:

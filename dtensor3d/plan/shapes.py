@@ -138,11 +138,18 @@ TP_LAYER = {
 }
 
 
-def tp_dim(name: str) -> int | None:
-    """The dim tensor parallelism splits parameter `name` on (None: replicated over tp)."""
+TP_WHOLE_NORM = {"self_attn.q_norm.weight": 0, "self_attn.k_norm.weight": 0}  # over the whole projection (OLMo 2)
+
+
+def tp_dim(name: str, cfg=None) -> int | None:
+    """The dim tensor parallelism splits parameter `name` on (None: replicated over tp); `cfg`:
+    the model's config, for q/k norms over the whole projection (split like its columns)."""
     if layer_of(name) is None:
         return TP_OUTER.get(name)
-    return TP_LAYER.get(name.split(".", 3)[3])
+    within = name.split(".", 3)[3]
+    if cfg is not None and cfg.qk_norm_whole and within in TP_WHOLE_NORM:
+        return TP_WHOLE_NORM[within]
+    return TP_LAYER.get(within)
 
 
 def flops_per_token(cfg, seq_len: int) -> float:

@@ -61,7 +61,8 @@ OPTIONS = (
                 "model.router_bias_update_rate=0.01",
             ),
             "deepseek_v3": (),
-            # OLMo 2: norms after attention and the MLP, q/k norms over the whole projection (no tp)
+            # OLMo 2: norms after attention and the MLP, q/k norms over the whole projection (tp: the
+            # sums of squares all-reduced; no sequence parallelism)
             "olmo2": ("model.family=olmo2", "model.attention_bias=true"),
             # GLM-4.5 on the mixture-of-experts recipe: RoPE on half of each head, q/k/v biases,
             # per-head q/k norms, sigmoid routing with the correction bias in 2 groups, layer 0 dense
@@ -188,9 +189,9 @@ RULES = (
         lambda r: r["window"] == "full" or r["model"] != "deepseek_v3",
     ),
     Rule(
-        "OLMo 2's q/k norms span all heads, which tp would split",
+        "OLMo 2's norms after attention and the MLP are not sharded by sequence parallelism",
         ("model", "tp"),
-        lambda r: r["model"] != "olmo2" or r["tp"] == "1",
+        lambda r: r["model"] != "olmo2" or r["tp"] != "2_reduce_scatter",
     ),
     Rule(
         "DeepSeek-V3's one shared expert is n_shared_experts, not shared_expert_intermediate_size too",

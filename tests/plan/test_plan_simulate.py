@@ -118,6 +118,7 @@ SPLIT = {
     # q_b (or q) / kv_b / o of 4 layers, gate/up/down of the dense layer 0
     "deepseek_v3": 2 + 4 * 3 + 3,
     "deepseek_v3_full_q_bias": 2 + 4 * 3 + 3,
+    "olmo2": 2 + 4 * (7 + 3 + 2),  # and the q/k norms over the whole projection, split like its columns
 }
 
 
@@ -130,7 +131,7 @@ def test_tp_dim_reads_the_tp_plan(config):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from dtensor3d.models import build_on_meta
-    from dtensor3d.parallel.tensor import tp_plan
+    from dtensor3d.parallel.tensor import WholeProjectionNorm, tp_plan
 
     cfg = model_configs()[config]
     model, shared_key = build_on_meta(cfg), cfg.qk_rope_head_dim if cfg.mla else 0
@@ -140,7 +141,8 @@ def test_tp_dim_reads_the_tp_plan(config):
         module = model.get_submodule(path)
         if name.startswith("model.layers."):
             layer = model.get_submodule(".".join(path.split(".")[:3]))
-            style = tp_plan(False, hasattr(layer, "block_sparse_moe"), shared_key=shared_key)[1].get(
+            moe = hasattr(layer, "block_sparse_moe")
+            style = tp_plan(False, moe, shared_key=shared_key, whole_norm=cfg.qk_norm_whole)[1].get(
                 path.split(".", 3)[3]
             )
         else:
@@ -152,7 +154,9 @@ def test_tp_dim_reads_the_tp_plan(config):
             expected = 1 if isinstance(module, nn.Embedding) else 0
         elif isinstance(style, RowwiseParallel):
             expected = 0 if isinstance(module, nn.Embedding) else 1
-        assert tp_dim(name) == expected, name
+        elif isinstance(style, WholeProjectionNorm):
+            expected = 0
+        assert tp_dim(name, cfg) == expected, name
         checked += expected is not None
     assert checked == SPLIT[config]
 
