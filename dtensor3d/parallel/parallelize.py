@@ -7,6 +7,8 @@
                                                recompute (none | full | selective)
     2 pipeline split     pipeline.py           later steps only touch this stage's modules
                                                (one module per stage; a rank may hold several)
+      float8             float8.py             training.float8: torchao's Float8Linear for
+                                               the block linears, before tp maps their styles
     3 tensor parallel    tensor.py             DTensor styles on whole (unsharded) weights
     4 context parallel   context.py            (step 1: it changes attention, not weights)
     5 expert parallel    expert.py             experts sharded over ep before FSDP sees them
@@ -25,12 +27,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config.low_precision import float8_recipe
 from ..models import build_on_meta, tie_weights
 from ..models.layers import ModelHooks
 from .compile import apply_compile, compile_backend
 from .context import sequence_layout
 from .data import apply_fsdp, fsdp_policy
 from .expert import aux_loss_scale, expert_dispatch, shard_experts, token_share
+from .float8 import apply_float8
 from .pipeline import local_stages, merge_stages, split_stage
 from .tensor import apply_tp, vocab_layout
 
@@ -54,8 +58,9 @@ def parallelize_stage(recipe, mesh, stage: int, hooks: ModelHooks) -> nn.Module:
     p = recipe.parallelism
     model = build_on_meta(recipe.model, hooks=hooks)
     split_stage(model, stage, p)
+    apply_float8(model, recipe)  # training.float8: torchao's Float8Linear, before the tp styles see them
     if p.tp_enabled:
-        apply_tp(model, mesh["tp"], p, compiled=recipe.training.compile)
+        apply_tp(model, mesh["tp"], p, compiled=recipe.training.compile, float8=float8_recipe(recipe.training))
         tie_weights(model)  # the vocab-parallel embedding and head share Shard(0) over tp
     if p.ep_enabled:
         shard_experts(model, mesh["ep"])

@@ -52,6 +52,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..models.layers import rms_norm
 from .async_tp import apply_async_tp
+from .float8 import float8_styles
 
 
 class SharedKeyGradient(ParallelStyle):
@@ -182,6 +183,40 @@ def tp_plan(
     return outer, _without_overlapped(layer, sequence_parallel) if overlapped else layer
 
 
+class TokenwiseLinear(ParallelStyle):
+    """Sequence parallelism for a linear that acts on each token alone (an MTP module's eh_proj):
+    computed on this rank's sequence shard as plain tensors (`local_map`, as `SequenceShardNorm`),
+    the weight a replicated DTensor whose gradient, each rank's over its own tokens, comes back
+    partial over tp and is summed once per step with the others (`match_grad_placements`). The
+    output is this rank's shard as a plain tensor, as a decoder block takes its input."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        weight = distribute_tensor(module.weight.data, device_mesh, (Replicate(),))
+        module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
+        linear = local_map(
+            torch.nn.functional.linear,
+            out_placements=[Shard(1)],
+            in_placements=([Shard(1)], [Replicate()]),
+            in_grad_placements=([Shard(1)], [Partial()]),
+            device_mesh=device_mesh,
+        )
+        module.forward = lambda x: linear(x, module.weight).to_local()
+        return module
+
+
+def mtp_rows(sequence_parallel: bool) -> dict:
+    """An MTP module's own rows beside its decoder block's (models/mtp.py: enorm, hnorm, eh_proj,
+    shared_head.norm). ALL_REDUCE: none -- the residual stream is replicated, so they stay whole,
+    plain modules computed alike on every tp rank (eh_proj, 2 x hidden -> hidden, once per
+    token: no communication; the block's input gradient is all-reduced by its input style, so
+    their gradients are the whole model's). Sequence parallelism: the norms on the sequence
+    shards and eh_proj token-wise on them, its output this rank's shard of the block's input."""
+    if not sequence_parallel:
+        return {}
+    norms = {path: SequenceShardNorm() for path in ("enorm", "hnorm", "shared_head.norm")}
+    return norms | {"eh_proj": TokenwiseLinear()}
+
+
 def _block_inputs(sequence_parallel: bool, moe: bool, shared_key: int) -> dict:
     """How each block (attention, feed-forward) takes its input, and under sequence
     parallelism the norms before them. ALL_REDUCE: q/k/v (gate/up) take the replicated input
@@ -237,8 +272,9 @@ def enable_micro_pipeline(tp_mesh) -> None:
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
-def apply_tp(model: nn.Module, tp_mesh, parallelism, compiled: bool = False) -> nn.Module:
-    """Build time: shard `model` (a whole model or one pipeline stage) over the tp mesh axis."""
+def apply_tp(model: nn.Module, tp_mesh, parallelism, compiled: bool = False, float8: str | None = None) -> nn.Module:
+    """Build time: shard `model` (a whole model or one pipeline stage) over the tp mesh axis;
+    `float8` tensorwise: the layer plan's styles mapped to torchao's float8 ones (parallel/float8.py)."""
     sequence_parallel, overlap = parallelism.sequence_parallel, tp_overlap(parallelism, tp_mesh.device_type, compiled)
     if overlap == "micro_pipeline":
         enable_micro_pipeline(tp_mesh)
@@ -246,10 +282,15 @@ def apply_tp(model: nn.Module, tp_mesh, parallelism, compiled: bool = False) -> 
     present = {path: style for path, style in outer.items() if _has_module(model, path)}
     parallelize_module(model, tp_mesh, present)
     shared_key, whole = model.cfg.qk_rope_head_dim if model.cfg.mla else 0, model.cfg.qk_norm_whole
-    for block in model.model.layers.values():
+    mtp = model.model.mtp or {}  # MTP modules (models/mtp.py): one more block each, with mtp_rows
+    for name, block in [*model.model.layers.items(), *mtp.items()]:
         moe = hasattr(block, "block_sparse_moe")
         layer = tp_plan(sequence_parallel, moe, overlap == "chunked", shared_key, whole)[1]
-        parallelize_module(block, tp_mesh, {path: style for path, style in layer.items() if _has_module(block, path)})
+        layer |= mtp_rows(sequence_parallel) if name in mtp else {}
+        layer = {path: style for path, style in layer.items() if _has_module(block, path)}
+        if float8 == "tensorwise":
+            layer = float8_styles(layer, block, tp_mesh.device_type)
+        parallelize_module(block, tp_mesh, layer)
         if overlap == "chunked":
             apply_async_tp(block, tp_mesh, sequence_parallel)
     return model

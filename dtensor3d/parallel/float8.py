@@ -1,0 +1,153 @@
+"""Float8 training through torchao (training.float8): which linears turn into torchao's
+`Float8Linear`, the tensor-parallel styles that go with them, and FSDP2's float8 all-gather.
+
+What is converted (torchtitan's rule): every `nn.Linear` inside a decoder block
+(`model.layers.*`: attention's projections -- MLA's q_a/q_b/kv_a/kv_b too -- the dense
+feed-forward and shared experts) whose in and out features are both divisible by 16
+(`torch._scaled_mm`'s requirement). What stays bf16: the embedding, the output head, the
+router (not a linear), the routed experts (stacked 3-D matrices for the grouped kernel, which
+`convert_to_float8_training` does not take; torchao's MoE float8 training is a CUDA prototype)
+and the multi-token prediction blocks.
+
+Precision: `Float8Linear` casts its input and weight to float8 and returns its input's dtype.
+Under bf16 autocast on CUDA it casts the input itself; on other devices torchao does not read
+autocast, so a pre-hook here casts the input to the autocast dtype (one code path's result on
+both). The fp32 master weight is cast straight to float8 -- under FSDP's float8 all-gather too,
+so world 1 and dp shard cast the same numbers.
+
+Communication: gloo cannot carry a float8 tensor ("Invalid scalar type", tested in
+tests/parallel/test_float8.py), so the float8 input gather of sequence parallelism
+(`PrepareFloat8ModuleInput`) is used on CUDA only; CPU gathers the block input in bf16 and
+each projection casts it after. FSDP2's float8 all-gather goes through on gloo because a
+unit's gathered tensors have mixed dtypes (bf16 norms beside float8 weights), which FSDP2
+gathers as one uint8 buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config.low_precision import float8_all_gather, float8_recipe
+
+BLOCKS = "model.layers."  # the decoder blocks' module paths start so
+
+
+def float8_config(recipe):
+    """torchao's Float8LinearConfig for training.float8 (None when off)."""
+    name = float8_recipe(recipe.training)
+    if name is None:
+        return None
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(name)
+    gather = float8_all_gather(recipe.training, recipe.parallelism)
+    return Float8LinearConfig(**{**config.__dict__, "enable_fsdp_float8_all_gather": gather})
+
+
+def convertible(module: nn.Module, fqn: str) -> bool:
+    """torchtitan's filter: a decoder block's linear, both dims divisible by 16."""
+    if not isinstance(module, nn.Linear) or not fqn.startswith(BLOCKS):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_float8(model: nn.Module, recipe) -> list[str]:
+    """Build time, before tp: swap this stage's convertible linears for torchao's Float8Linear
+    (on the meta device; parameter names unchanged). Returns the converted module paths."""
+    config = float8_config(recipe)
+    if config is None:
+        return []
+    from torchao.float8 import convert_to_float8_training
+
+    names = [n for n, m in model.named_modules() if convertible(m, n)]
+    convert_to_float8_training(model, module_filter_fn=convertible, config=config)
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(_autocast_input)
+    return names
+
+
+def _autocast_input(_module, args):
+    """Cast the input to the autocast dtype on a device torchao's forward does not look at."""
+    x = args[0]
+    kind = x.device.type
+    if kind != "cuda" and torch.is_autocast_enabled(kind) and x.is_floating_point():
+        return (x.to(torch.get_autocast_dtype(kind)), *args[1:])
+    return None
+
+
+def float8_styles(plan: dict, block: nn.Module, device_type: str) -> dict:
+    """A tp plan's styles as torchao's float8 ones (tensorwise only, as torchtitan): column and
+    row projections that are Float8Linear take Float8ColwiseParallel / Float8RowwiseParallel;
+    a block input gather takes PrepareFloat8ModuleInput. What would send float8 over gloo stays
+    torch's style off CUDA: the input gather, and under sequence parallelism the row projection
+    (its backward gathers the output's float8 gradient)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    out, wire = dict(plan), device_type == "cuda"  # float8 over the wire: NCCL only
+    for path, style in plan.items():
+        target = block.get_submodule(path)
+        gathers_grad = type(style) is RowwiseParallel and not style.output_layouts[0].is_replicate()
+        if isinstance(target, Float8Linear) and type(style) in (ColwiseParallel, RowwiseParallel):
+            if gathers_grad and not wire:  # sequence parallelism's output grad gather: bf16 on gloo
+                continue
+            cls = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+            out[path] = cls(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+        elif type(style) is PrepareModuleInput and wire and _all_float8_users(target):
+            out[path] = PrepareFloat8ModuleInput(
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                use_local_output=style.use_local_output,
+            )
+    return out
+
+
+def _all_float8_users(module: nn.Module) -> bool:
+    """A block (attention, feed-forward) whose input goes only into Float8Linear projections
+    (grouped-query attention's q/k/v, the dense MLP's gate/up)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(linears) and all(isinstance(m, Float8Linear) for m in linears) and not hasattr(module, "q_a_proj")
+
+
+def precompute_scales(model: nn.Module, recipe) -> None:
+    """Step time, after the optimizer: the float8 scales of every FSDP-sharded float8 weight in
+    one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp), for the next gathers."""
+    if not float8_all_gather(recipe.training, recipe.parallelism):
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def converted(model: nn.Module) -> list[str]:
+    """The module paths of this rank's Float8Linear modules."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def describe(names: list[str], recipe) -> str:
+    """The run's first line about float8: the recipe, the converted linears by their name in a
+    block and the count of blocks, and what stays bf16."""
+    by_leaf: dict[str, int] = {}
+    for name in names:
+        leaf = ".".join(name.split(".")[3:])  # model.layers.<i>.<leaf>
+        by_leaf[leaf] = by_leaf.get(leaf, 0) + 1
+    parts = ", ".join(f"{leaf} x{n}" for leaf, n in by_leaf.items()) or "none"
+    gather = "float8" if float8_all_gather(recipe.training, recipe.parallelism) else "bf16"
+    return (
+        f"float8: {float8_recipe(recipe.training)}, {len(names)} linears converted ({parts}); bf16: embedding, "
+        f"head, routers, routed experts, MTP blocks, linears with a dim not divisible by 16; FSDP gathers {gather}"
+    )
