@@ -36,6 +36,10 @@ from .params import rank_parts
 from .perf_compute import float8_on, optimizer_seconds, rank_seconds
 
 LINK_EFF = 0.80  # share of a link's bandwidth NCCL's rings reach (nccl-tests bus bandwidth)
+# Share of tp's communication async TP hides behind the matmuls: the decomposed GEMMs and
+# the collectives contend for SMs and memory (PyTorch measured 1.09-1.16x over sync TP on
+# Llama 3 8B / 70B, where tp is 20-30% of the step: about half of it hidden).
+ASYNC_TP_HIDDEN = 0.5
 AXIS_ORDER = ("ep", "pp", "dp", "cp", "tp")  # nanotron's rank matrix, tp fastest
 GROUP_AXES = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp": ("ep", "dp", "cp"), "world": AXIS_ORDER}
 WIRE = {"all_gather": None, "reduce_scatter": 1.0, "all_to_all": 1.0, "all_reduce": 2.0, "send_recv": 0.0}
@@ -130,17 +134,17 @@ def _dp_exposed(recipe, comm: dict, compute: dict, units: int) -> float:
     return max(0.0, gather - fwd) + max(0.0, dp - gather - bwd) + dp / units
 
 
-def rank_terms(recipe, hw, part, comm: dict, params: int) -> dict:
+def rank_terms(recipe, hw, part, comm: dict, params: int, fp8: bool, sac_matmuls: float = 0.0) -> dict:
     """One pp rank's terms per step (seconds)."""
     p, m = recipe.parallelism, recipe.num_microbatches
-    mb = rank_seconds(recipe, hw, part)
+    mb = rank_seconds(recipe, hw, part, fp8, sac_matmuls)
     terms = {k: v * m for k, v in mb.items()}
     tp = comm["tp"]
     if p.tp_linear_async_communication and p.tp_enabled:
-        tp = max(tp - terms["matmul_s"], tp / p.tp)
+        tp = max(tp - terms["matmul_s"], tp * (1 - ASYNC_TP_HIDDEN))
     ep = comm["ep"]
-    if p.pp_engine == "dualpipev" and p.pp_enabled:
-        ep = max(0.0, ep - sum(terms.values()) / 2)
+    if p.pp_engine == "dualpipev" and p.pp_enabled:  # a forward's all-to-all behind another microbatch's backward
+        ep = max(0.0, ep - sum(terms.values()))
     units = -(-len(part.layers) // p.fsdp_bucket_layers) + 1
     terms |= {"tp_s": tp, "cp_s": comm["cp"], "ep_s": ep, "pp_s": comm["pp"]}
     terms["busy_s"] = sum(terms.values())
@@ -176,15 +180,18 @@ ADVICE = {
 }
 
 
-def predict(recipe, hw, nodes: int) -> dict:
-    """The whole prediction (`plan --json`'s key "performance")."""
+def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: float = 0.0) -> dict:
+    """The whole prediction (`plan --json`'s key "performance"); `float8` stands in for
+    training.float8 and `sac_matmuls` for a selective recompute policy that recomputes that
+    share of the matmuls (published runs of other trainers, tests/plan/published_runs.yaml)."""
     p, t = recipe.parallelism, recipe.training
+    fp8 = float8_on(recipe) if float8 is None else float8
     world, hw_rank = p.world_size, per_rank_hardware(hw, recipe, nodes)
     est = estimate(recipe)
     comm = comm_seconds(recipe, hw_rank, nodes)
     rows = []
     for part, c, row in zip(rank_parts(recipe), comm, est["stages"]):
-        terms = rank_terms(recipe, hw_rank, part, c, row["params"])
+        terms = rank_terms(recipe, hw_rank, part, c, row["params"], fp8, sac_matmuls)
         rows.append({"stage": part.rank, **{k: round(v, 9) for k, v in terms.items()}})
     bubble = bubble_fraction(recipe)
     busy = max(r["busy_s"] for r in rows)
@@ -201,7 +208,7 @@ def predict(recipe, hw, nodes: int) -> dict:
         "hardware": hw.name,
         "nodes": nodes,
         "gpus_per_node": world // nodes,
-        "float8": float8_on(recipe),
+        "float8": fp8,
         "stages": rows,
         "bubble_fraction": bubble,
         "bubble_s": makespan - busy,
@@ -221,4 +228,9 @@ def constants() -> dict[str, float]:
     """The model's global constants (the only ones calibrated against measured runs)."""
     from . import perf_compute
 
-    return {"MATMUL_EFF": perf_compute.MATMUL_EFF, "HBM_EFF": perf_compute.HBM_EFF, "LINK_EFF": LINK_EFF}
+    return {
+        "MATMUL_EFF": perf_compute.MATMUL_EFF,
+        "HBM_EFF": perf_compute.HBM_EFF,
+        "LINK_EFF": LINK_EFF,
+        "ASYNC_TP_HIDDEN": ASYNC_TP_HIDDEN,
+    }

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from .params import Part, sizes
 
-MATMUL_EFF = 0.80  # share of the dense peak large GEMMs reach (cuBLAS on Hopper: 0.75-0.85)
+MATMUL_EFF = 0.72  # share of the dense peak large GEMMs reach in training (cuBLAS on Hopper at full power: ~0.75-0.8)
 HBM_EFF = 0.80  # share of HBM bandwidth streaming kernels reach
 # Bytes moved per element (a: the activation width, 2 in bf16, 4 in fp32), eager / compiled:
 NORM_PASSES = (8, 2)  # RMSNorm in fp32 eager: upcast, square, mean, rsqrt-multiply, weight, downcast
@@ -114,11 +114,12 @@ def _memory_bytes(recipe, moe: bool) -> float:
     return total + tokens * m.shared_intermediate_size * a * SWIGLU_PASSES[k]
 
 
-def layer_seconds(recipe, hw, layer: int) -> dict[str, float]:
-    """One decoder layer's forward+backward seconds per microbatch by kind, recompute included."""
+def layer_seconds(recipe, hw, layer: int, fp8: bool, sac_matmuls: float = 0.0) -> dict[str, float]:
+    """One decoder layer's forward+backward seconds per microbatch by kind, recompute included
+    (`sac_matmuls`: the share of matmuls a selective policy recomputes too -- torchtitan's
+    per-op policy recomputes every second one, 0.5; ours keeps them all, 0)."""
     m, p, z = recipe.model, recipe.parallelism, sizes(recipe)
     moe = bool(m.num_local_experts) and m.is_moe_layer(layer)
-    fp8 = float8_on(recipe)
     gemms = _linears(recipe, moe)
     router = len(gemms) - (4 if m.shared_intermediate_size else 2) - 1 if moe else -1
     mm = sum(gemm_seconds(s, hw, fp8 and i != router, z.compute) for i, s in enumerate(gemms))
@@ -127,7 +128,7 @@ def layer_seconds(recipe, hw, layer: int) -> dict[str, float]:
     if fp8:  # each linear's input and weight cast forward, the output gradient backward
         casts = sum(c * (M * K + K * N + M * N) for M, K, N, c in gemms) * FP8_CAST_BYTES
         mem += casts / (_bandwidth(hw) * HBM_EFF) / 3  # the forward's third; x3 below
-    again = {"none": (0, 0, 0), "selective": (0, 0, 1), "full": (1, 1, 1)}[p.recompute]
+    again = {"none": (0, 0, 0), "selective": (sac_matmuls, 0, 1), "full": (1, 1, 1)}[p.recompute]
     return {
         "matmul_s": mm * (3 + again[0]),
         "attention_s": attn * (3.5 + again[1]),
@@ -135,13 +136,13 @@ def layer_seconds(recipe, hw, layer: int) -> dict[str, float]:
     }
 
 
-def rank_seconds(recipe, hw, part: Part) -> dict[str, float]:
+def rank_seconds(recipe, hw, part: Part, fp8: bool, sac_matmuls: float = 0.0) -> dict[str, float]:
     """One microbatch through every stage of pp rank `part`: matmul, attention and memory
     seconds (forward, backward, recompute), with the embedding, the head and the loss."""
     z = sizes(recipe)
     out = {"matmul_s": 0.0, "attention_s": 0.0, "memory_s": 0.0}
     for layer in part.layers:
-        for key, s in layer_seconds(recipe, hw, layer).items():
+        for key, s in layer_seconds(recipe, hw, layer, fp8, sac_matmuls).items():
             out[key] += s
     bw = _bandwidth(hw) * HBM_EFF
     if part.first:  # the lookup and its gradient's scatter-add

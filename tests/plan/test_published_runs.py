@@ -1,0 +1,94 @@
+"""plan's performance model (plan/perf.py) against training runs others published
+(tests/plan/published_runs.yaml: each row's source, layout, hardware and reported
+throughput), and `plan --hardware`'s door. In-process and torch-free."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dtensor3d.config.load import load_recipe
+from dtensor3d.plan.hardware import check_nodes, lookup
+from dtensor3d.plan.perf import predict
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = yaml.safe_load((Path(__file__).with_name("published_runs.yaml")).read_text())
+TOLERANCE = 0.20
+
+
+def predicted_and_reported(row: dict) -> tuple[float, float]:
+    """The model's prediction of the row's reported quantity, and that quantity."""
+    recipe = load_recipe(str(REPO / row["recipe"]), row["overrides"])
+    hw = lookup(row["hardware"])
+    nodes = check_nodes(None, recipe.parallelism.world_size, hw)
+    out = predict(recipe, hw, nodes, float8=row.get("float8", False), sac_matmuls=row.get("sac_matmuls", 0.0))
+    ((key, value),) = row["reported"].items()
+    if key == "gpu_hours_per_trillion_tokens":
+        key, value = "tokens_per_sec_per_gpu", 1e12 / (value * 3600)
+    return out[key], value
+
+
+def test_table_holds_the_runs_the_issue_names():
+    names = [r["name"] for r in ROWS]
+    assert sum(n.startswith("llama3-405b") for n in names) == 3
+    assert sum(n.startswith("torchtitan-llama3.1") for n in names) >= 3
+    assert any(n.startswith("deepseek-v3") for n in names)
+    assert len(names) == len(set(names)) and len(names) >= 10
+    assert all(r["source"] for r in ROWS)
+    assert sum("known_error" in r for r in ROWS) <= 2
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["name"] for r in ROWS])
+def test_prediction_within_tolerance_of_published_run(row):
+    predicted, reported = predicted_and_reported(row)
+    error = predicted / reported - 1
+    if "known_error" in row:  # kept in the table with its measured error and reason
+        assert f"{100 * error:+.1f}%" == row["known_error"]["error"], error
+        return
+    assert abs(error) <= TOLERANCE, f"{row['name']}: predicted {predicted:.1f}, reported {reported:.1f}"
+
+
+def plan(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    cmd = [sys.executable, "-m", "dtensor3d", "plan", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_hardware_json_gives_every_term():
+    p = plan("recipes/llama3_1_8b_plan.yaml", "--hardware", "H100", "--json")
+    assert p.returncode == 0, p.stderr
+    perf = json.loads(p.stdout)["performance"]
+    assert perf["hardware"] == "h100-sxm" and perf["nodes"] == 8
+    terms = perf["breakdown_s"]
+    assert {"matmul_s", "attention_s", "memory_s", "tp_s", "bubble_s", "dp_exposed_s", "optimizer_s"} <= set(terms)
+    assert perf["step_time_s"] >= sum(terms.values()) - 1e-6
+    assert perf["tokens_per_sec_per_gpu"] * perf["step_time_s"] * 64 == pytest.approx(256 * 8192)
+    assert 0 < perf["mfu"] < 1 and perf["bound"] + "_s" in terms and perf["advice"]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--hardware", "v100"], ["v100", "h100-sxm", "mi300x", "cpu-gloo"]),
+        (["--hardware", "h100", "--nodes", "3"], ["--nodes 3", "16"]),
+        (["--nodes", "2"], ["--nodes", "--hardware"]),
+    ],
+)
+def test_hardware_door(flags, words):
+    p = plan("recipes/3d.yaml", *flags)
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and all(w in lines[0] for w in words), p.stderr
+
+
+def test_hardware_file_missing_a_field(tmp_path):
+    f = tmp_path / "hw.yaml"
+    f.write_text("mine:\n  bf16_tflops: 100\n  fp8_tflops: 200\n")
+    p = plan("recipes/3d.yaml", "--hardware", "MINE", "--hardware-file", str(f))
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "'mine'" in lines[0] and "hbm_gbps" in lines[0]
