@@ -378,3 +378,36 @@ def test_qwen3_moe_switches_its_class_lacks_are_refused_on_export():
     for extra, key in (({"router_bias_update_rate": 0.01}, "router_bias_update_rate"), ({"n_group": 2}, "n_group")):
         with pytest.raises(CheckpointError, match=f"model.{key}=.*Qwen3MoeForCausalLM has no such setting"):
             hf_config(ModelConfig(**base, **extra))
+
+
+def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(tmp_path, monkeypatch, capsys):
+    """The release's MXFP4 experts (gate_up_proj_blocks / _scales, down_proj_blocks / _scales, random
+    here): our logits equal transformers' loading the same directory with Mxfp4Config(dequantize=True)
+    (measured 8e-7 rel); without transformers' mxfp4 module, import-hf says what to do in one line."""
+    from safetensors.torch import load_file, save_file
+
+    config_cls, extra, _ = FAMILIES["gpt_oss"]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**BASE, **extra, "intermediate_size": 32})  # in widths: 32k
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path)
+    tensors, g = load_file(tmp_path / "model.safetensors"), torch.Generator().manual_seed(5)
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        e, d_in, d_out = tensors.pop(name).shape
+        tensors[name + "_blocks"] = torch.randint(0, 256, (e, d_out, d_in // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(120, 128, (e, d_out, d_in // 32), generator=g, dtype=torch.uint8)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((tmp_path / "config.json").read_text())
+    keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": keep}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert relative(load_model(tmp_path)(ids), theirs(ids).logits) <= 1e-5
+    monkeypatch.setitem(__import__("sys").modules, "transformers.integrations.mxfp4", None)  # not importable
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["import-hf", str(tmp_path), str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "MXFP4" in err[0] and "pip install" in err[0], err
