@@ -59,3 +59,12 @@ def _validate_float8(f8: dict, dtype: str) -> None:
         raise RecipeError(f"training.float8 with training.dtype={dtype}: float8 training needs dtype: bfloat16")
     if importlib.util.find_spec("torchao") is None:
         raise RecipeError("training.float8: needs torchao (pip install torchao); null: off")
+
+
+def float8_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether parameter `name` (whole shape `shape`) is a weight training.float8 converts: a
+    decoder block's linear (not the router's gate, not the stacked experts), both dims divisible
+    by 16 (parallel/float8.py's `convertible`, on parameter names for the torch-free plan)."""
+    if not (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2):
+        return False
+    return not name.endswith(".gate.weight") and shape[0] % 16 == 0 and shape[1] % 16 == 0

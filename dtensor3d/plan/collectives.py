@@ -4,9 +4,21 @@ against what parallel/comm.py counts on real runs. Pure Python."""
 
 from __future__ import annotations
 
+from ..config.low_precision import float8_all_gather
 from ..config.schema import V_SCHEDULES
 from .memory import _moe_layers
-from .params import FP32, KINDS, Part, param_table, rank_parts, shard_numel, sizes, stage_units, unit_numels
+from .params import (
+    FP32,
+    KINDS,
+    Part,
+    gather_bytes,
+    param_table,
+    rank_parts,
+    shard_numel,
+    sizes,
+    stage_units,
+    unit_numels,
+)
 from .schedule_model import sends_per_microbatch, weight_passes
 from .shapes import weight_groups
 
@@ -245,20 +257,23 @@ def dp_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
     after forward) each backward -- twice per microbatch; under pp (or
     fsdp_reshard_after_forward never) parameters stay gathered for the whole step: once --
     in the compute dtype (bf16 training gathers bf16 parameters: FSDP2's
-    MixedPrecisionPolicy), and reduce-scatters its whole fp32 gradient once; under dp_mode
+    MixedPrecisionPolicy; a float8-gathered weight in 1 byte, params.gather_bytes, and after
+    the optimizer one fp32 all-reduce of their scales' amaxes), and reduce-scatters its whole
+    fp32 gradient once; under dp_mode
     hybrid within ep x dp_shard x cp, then all-reduces the shard across the
     dp_replicate replicas. Replicate: one all-reduce of the gradients (dense over
     ep x dp x cp, experts over dp x cp)."""
     p = recipe.parallelism
-    numels, grads = unit_numels(recipe, units), unit_numels(recipe, units, grads=True)
+    grads = unit_numels(recipe, units, grads=True)
     if p.fsdp_enabled:
         gathers = 2 * recipe.num_microbatches if p.reshard_after_forward else 1
         sharded = [name for name, u in units.items() if u["group"] > 1]
         replicas = p.dp_replicate if p.hsdp_enabled else 1  # HSDP all-reduces the shards across replicas
+        scales = sum(len(units[name]["float8"]) for name in sharded) * float8_all_gather(recipe.training, p)
         return _kinds(
-            all_gather=gathers * sizes(recipe).compute * sum(numels[name][0] for name in sharded),
+            all_gather=gathers * sum(gather_bytes(recipe, units)[name] for name in sharded),
             reduce_scatter=FP32 * sum(grads[name][1] for name in sharded),
-            all_reduce=FP32 * sum(grads[name][0] for name in sharded) * (replicas > 1),
+            all_reduce=FP32 * (sum(grads[name][0] for name in sharded) * (replicas > 1) + scales),
         )
     if p.replicate_enabled:
         return _kinds(all_reduce=FP32 * sum(grads[name][0] for name, u in units.items() if u["group"] > 1))

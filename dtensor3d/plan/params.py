@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config.low_precision import float8_all_gather, float8_weight
 from ..config.schema import stage_layers
 from .schedule_model import rank_stages, stage_rank
 from .shapes import layer_of, param_shapes, tp_dim
@@ -94,6 +95,7 @@ def param_table(recipe) -> dict[str, dict]:
         group = shard if unit.endswith("experts") else p.ep * shard
         row = {"stage": stage_rank(p, stage), "pp_stage": stage, "unit": unit, "group": group}
         row["grad"] = not name.endswith("e_score_correction_bias")  # the router's bias: moved, not trained
+        row["float8"] = recipe.training.float8 is not None and float8_weight(name, tuple(shape))
         out[name] = row | {"shape": _local_shape(recipe, name, shape)}
     if m.tie_word_embeddings and p.pp_enabled:  # the last stage's copy of the tied matrix (parallel/tied.py)
         head = out["model.embed_tokens.weight"] | {"stage": stage_rank(p, len(layers) - 1), "pp_stage": len(layers) - 1}
@@ -105,8 +107,12 @@ def stage_units(recipe) -> list[dict[str, dict]]:
     """Per pp rank: {unit: {"group": FSDP group size, "shapes": [tp/ep-local shapes]}}."""
     stages: list[dict[str, dict]] = [{} for _ in range(recipe.parallelism.pp)]
     for row in param_table(recipe).values():
-        entry = stages[row["stage"]].setdefault(row["unit"], {"group": row["group"], "shapes": [], "no_grad": []})
+        entry = stages[row["stage"]].setdefault(
+            row["unit"], {"group": row["group"], "shapes": [], "no_grad": [], "float8": []}
+        )
         entry["shapes"].append(row["shape"])
+        if row.get("float8"):
+            entry["float8"].append(row["shape"])
         if not row["grad"]:
             entry["no_grad"].append(row["shape"])
     return stages
@@ -116,6 +122,19 @@ def shard_numel(shape: list[int], group: int) -> int:
     """Elements of FSDP2's dim-0 chunk on rank 0 (the largest; every rank's padded size)."""
     rows = -(-shape[0] // group) if shape else 1
     return rows * math.prod(shape[1:])
+
+
+def gather_bytes(recipe, units: dict[str, dict]) -> dict[str, int]:
+    """unit -> bytes of this rank's input to one FSDP2 all-gather of it (rank 0's padded shard):
+    the compute dtype's width, 1 byte for a weight FSDP gathers in float8 (training.float8
+    tensorwise's fsdp_all_gather: half of bf16's)."""
+    fp8 = float8_all_gather(recipe.training, recipe.parallelism)
+    out = {}
+    for unit, u in units.items():
+        n = u["group"] if recipe.parallelism.fsdp_enabled else 1
+        low = sum(shard_numel(s, n) for s in u.get("float8", ())) if fp8 else 0
+        out[unit] = sizes(recipe).compute * (sum(shard_numel(s, n) for s in u["shapes"]) - low) + low
+    return out
 
 
 def unit_numels(recipe, units: dict[str, dict], grads: bool = False) -> dict[str, tuple[int, int]]:
