@@ -40,6 +40,22 @@ RECIPES = {
     # 32 x (attention 37,748,736 + MLP 75,497,472 + norms 6,144) + embedding and head 197,001,216 +
     # final norm 3,072: the model card's 3.8B
     "phi3_mini_plan": 3_821_079_552,
+    # Each total below also equals a meta-device transformers model at the released config
+    # (AutoModelForCausalLM.from_config, parameters counted once), measured for issue 38.
+    # 34 x (attention 15,729,152 + GeGLU 78,643,200 + four norms 10,240) + tied embedding (the
+    # multimodal vocabulary, 262,208) 671,252,480 + final norm 2,560: google/gemma-3-4b-pt's language model
+    "gemma3_4b_plan": 3_880_263_168,
+    # 62 x (attention 66,060,544 + GeGLU 346,816,512 + four norms 21,504) + tied embedding
+    # 1,409,630,208 + final norm 5,376: google/gemma-3-27b-pt's language model
+    "gemma3_27b_plan": 27_009_346_304,
+    # OLMo 2 7B's layers (32 x 202,391,552) + embedding and head of the 100,278-token vocabulary
+    # 821,477,376 + final norm 4,096: allenai/Olmo-3-1025-7B
+    "olmo3_7b_plan": 7_298_011_136,
+    # 46 layers (attention 109,066,240 each; layer 0 dense, 45 x 128 routed + 1 shared expert 1,408
+    # wide, router and its correction bias) + embedding and head 1,241,513,984: 106.85B, of which
+    # 12.18B (embedding and head aside) run per token -- the card's 106B / 12B. transformers counts
+    # the 45 correction biases (5,760) as buffers: 106,852,245,504 parameters there.
+    "glm4_5_air_plan": 106_852_251_264,
 }
 
 
