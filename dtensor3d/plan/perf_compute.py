@@ -38,9 +38,9 @@ FP8_CAST_BYTES = 5  # per element cast to fp8: read the bf16 tensor twice (amax,
 
 
 def float8_on(recipe) -> bool:
-    """training.float8 where the recipe has it (a bool, or a section with `enabled`)."""
+    """training.float8 is set (a mapping of its keys, config/low_precision.py; None or false: off)."""
     f8 = getattr(recipe.training, "float8", None)
-    return bool(getattr(f8, "enabled", f8)) if f8 is not None else False
+    return f8 is not None and f8 is not False
 
 
 def _linears(recipe, moe: bool) -> list[tuple[int, int, int, int]]:
