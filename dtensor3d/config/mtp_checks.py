@@ -19,7 +19,7 @@ def validate_mtp(recipe) -> None:
             f"model.num_nextn_predict_layers={depth}: depth k predicts the token k+1 ahead, so it must be below "
             f"training.sequence_length={seq}; valid: 0 to {seq - 1}"
         )
-    busy = {axis: getattr(p, axis) for axis in ("tp", "cp", "pp") if getattr(p, axis) > 1}
+    busy = {axis: getattr(p, axis) for axis in ("pp",) if getattr(p, axis) > 1}
     if depth and busy:
         axis, size = next(iter(busy.items()))
         raise RecipeError(

@@ -59,12 +59,25 @@ def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     return out
 
 
-def mtp_forward(model, input_ids: torch.Tensor, h0: torch.Tensor, **docs: torch.Tensor) -> list[torch.Tensor]:
+def mtp_token_ids(input_ids: torch.Tensor, depth: int) -> torch.Tensor:
+    """[b, s, depth]: t_{i+k} at position i in column k-1 (0 past the window, where every depth's
+    target is masked). Made from the whole window, before a context-parallel split."""
+    return torch.stack([shift_left(input_ids, k, 0) for k in range(1, depth + 1)], dim=-1)
+
+
+def mtp_embedding(model) -> nn.Module:
+    """The input embedding MTP shares: the main model's, or on a pipeline's last stage (which
+    has no embed_tokens) its copy of it, `mtp_embed_tokens` (parallel/tied.py sums their gradients)."""
+    return model.embed_tokens if model.embed_tokens is not None else model.mtp_embed_tokens
+
+
+def mtp_forward(model, mtp_ids: torch.Tensor, h0: torch.Tensor, **docs: torch.Tensor) -> list[torch.Tensor]:
     """The MTP depths' hidden states after their shared_head.norm, [b, s, hidden] each.
-    `model`: the LlamaModel (embed_tokens, mtp); `h0` per model.mtp_hidden."""
-    h, outs = h0, []
+    `model`: the LlamaModel (embed_tokens, mtp); `mtp_ids` [b, s, D] (mtp_token_ids); `h0` per
+    model.mtp_hidden."""
+    h, outs, embed = h0, [], mtp_embedding(model)
     for k, layer in enumerate(model.mtp.values(), start=1):
-        emb = model.embed_tokens(shift_left(input_ids, k, 0))  # Emb(t_{i+k}); t past the window: masked targets
+        emb = embed(mtp_ids[..., k - 1].contiguous())  # Emb(t_{i+k}); t past the window: masked targets
         h = layer(emb, h, **docs)
         outs.append(h)
     return outs

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..models.mtp import mtp_targets
+from ..models.mtp import mtp_targets, mtp_token_ids
 from ..parallel.shards import local
 
 
@@ -41,13 +41,18 @@ def wrap_loss_fn(main_fn, model_cfg, global_tokens: int, parts: list):
 
 
 def expand_batch(recipe, batch: tuple) -> tuple:
-    """(inputs, targets[, docs]) with targets [b, s, 1 + D] (models/mtp.py's mtp_targets)."""
+    """(inputs, targets [b, s, 1 + D], docs) from a batch of whole windows (models/mtp.py's
+    mtp_targets; docs gains `mtp_ids`, the tokens k ahead: mtp_token_ids). Made before context
+    parallelism's zigzag split (train.rank_batch), like the targets' own shift, so a chunk's
+    last positions get the next chunk's tokens, wherever that chunk is; a pipeline hands
+    mtp_ids to every stage with the documents' ids. A batch already expanded is returned as it is."""
     depth = recipe.model.num_nextn_predict_layers
-    if not depth:
-        return batch
     inputs, targets, *rest = batch
-    docs = rest[0] if rest else None
-    return (inputs, mtp_targets(targets, depth, (docs or {}).get("document_ids")), *rest)
+    if not depth or targets.dim() == 3:
+        return batch
+    docs = dict(rest[0]) if rest else {}
+    targets = mtp_targets(targets, depth, docs.get("document_ids"))
+    return inputs, targets, {**docs, "mtp_ids": mtp_token_ids(inputs, depth)}
 
 
 def step_metrics(recipe, parts: list, reports: bool, loss_tokens: int | None, device) -> dict:
