@@ -29,13 +29,16 @@ sequence; the masked kernel ANDs the documents into its mask: one switch, equal 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..models.layers import SequenceLayout, document_mask, visible
+from ..config.parallelism import window_tails
+from ..models.layers import SequenceLayout, document_mask, sink_attention, visible
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -140,7 +143,9 @@ class _ChunkedCausalAttention(torch.autograd.Function):
     docs: None, or (q_docs [b, n*size], k_docs [b, S] in global order) for packed documents."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunks: tuple[int, ...], docs: tuple | None = None, window: int | None = None):
+    def forward(
+        ctx, q, k, v, chunks: tuple[int, ...], docs: tuple | None = None, window: int | None = None, sinks=None
+    ):
         flash = getattr(torch.ops.aten, _FLASH_CPU[0])
         b, h, s, d = q.shape
         size = s // len(chunks)
@@ -156,22 +161,23 @@ class _ChunkedCausalAttention(torch.autograd.Function):
             ]
             if lse is None:
                 lse = parts[0][1].new_empty(b, s, h).transpose(1, 2)
-            if len(parts) == 1:
+            if len(parts) == 1 and sinks is None:
                 o, l = parts[0]
-            else:
-                l = torch.logaddexp(parts[0][1], parts[1][1])
+            else:  # the sink: one more logit per row, of value zero, in the normaliser once
+                extra = [] if sinks is None else [sinks.to(parts[0][1].dtype).view(1, h, 1).expand_as(parts[0][1])]
+                l = functools.reduce(torch.logaddexp, [pl for _, pl in parts] + extra)
                 o = sum(p.to(l.dtype) * (pl - l).exp().unsqueeze(-1) for p, pl in parts)
             out[:, :, rows] = o
             lse[:, :, rows] = l
-        ctx.chunks, ctx.docs = chunks, docs
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks, ctx.docs, ctx.sinks = chunks, docs, sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, *([] if sinks is None else [sinks]))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         flash_backward = getattr(torch.ops.aten, _FLASH_CPU[1])
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         size = q.shape[2] // len(ctx.chunks)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for j, chunk in enumerate(ctx.chunks):
@@ -192,7 +198,16 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, _sink_grad(grad, out, lse, sinks[0]) if sinks else None
+
+
+def _sink_grad(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks [h]: each row's sink probability exp(sink - lse) times minus the row's
+    grad . out (the sink's value is zero; with the sink in `out` and `lse`, flash's backward
+    gives q, k and v their exact gradients)."""
+    rows = (grad.float() * out.float()).sum(-1)  # [b, h, s]
+    p_sink = (sinks.float().view(1, -1, 1) - lse.float()).exp()
+    return -(p_sink * rows).sum((0, 2)).to(sinks.dtype)
 
 
 def _global_order(x: torch.Tensor, cp: int, dim: int = 2) -> torch.Tensor:
@@ -201,7 +216,7 @@ def _global_order(x: torch.Tensor, cp: int, dim: int = 2) -> torch.Tensor:
     return torch.cat([pieces[2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1] for c in range(2 * cp)], dim=dim)
 
 
-def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None, window=None):
+def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None, window=None, sinks=None):
     """The "flash" kernel on keys already gathered (cp-rank order); needs the zigzag layout."""
     seq = k.shape[2]
     expected_k = torch.cat([zigzag_positions(seq, cp, r) for r in range(cp)])
@@ -214,20 +229,71 @@ def flash_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k
     docs = None if q_docs is None else (q_docs, _global_order(k_docs, cp, dim=1))
     width = v.shape[-1]  # the CPU flash kernel needs equal widths: pad multi-head latent attention's values
     v = F.pad(v, (0, q.shape[-1] - width)) if width < q.shape[-1] else v
-    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank), docs, window)[..., :width]
+    return _ChunkedCausalAttention.apply(q, k, v, (rank, 2 * cp - 1 - rank), docs, window, sinks)[..., :width]
 
 
-def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None, window=None):
+def masked_attention(q, k, v, *, q_pos, k_pos, cp: int, rank: int, q_docs=None, k_docs=None, window=None, sinks=None):
     """The "masked" kernel on keys already gathered: SDPA with a mask by global position
-    (within the sliding `window` if any; for packed documents, by document id too)."""
+    (within the sliding `window` if any; for packed documents, by document id too); with
+    `sinks`, the model's own `sink_attention` under the same mask."""
+    mask = visible(q_pos, k_pos, window) if q_docs is None else document_mask(q_docs, k_docs, q_pos, k_pos, window)
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, mask)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    mask = visible(q_pos, k_pos, window) if q_docs is None else document_mask(q_docs, k_docs, q_pos, k_pos, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 KERNELS = {"flash": flash_attention, "masked": masked_attention}
+
+
+def _tails(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
+    """The last t tokens of each of this rank's two chunks along `dim` (2t of them)."""
+    c = x.shape[dim] // 2
+    return torch.cat([x.narrow(dim, c - t, t), x.narrow(dim, 2 * c - t, t)], dim=dim)
+
+
+def window_attention(q, k, v, *, group, tails: int, window: int, document_ids=None, sinks=None) -> torch.Tensor:
+    """Sliding-window attention when the window fits in a zigzag chunk (`tails` = window - 1 <=
+    chunk, config.parallelism.window_tails): a query of chunk g sees only chunk g and the last
+    `tails` keys of chunk g - 1, so each rank all-gathers the tails of every chunk (2 x tails
+    tokens per rank, not its whole 2 x chunk; the backward sums their gradients as
+    `gather_sequence` does) and attends per chunk with SDPA and a mask by global position (and
+    document; with `sinks`, the model's `sink_attention` under that mask). q: [b, h, 2c, d]; k, v:
+    [b, kv_h, 2c, d]; document_ids: [b, 2c] or None."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    c, rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
+    k_tails = _global_order(gather_sequence(_tails(k, tails, 2), group, 2), cp)  # chunk g's tail: piece g
+    v_tails = _global_order(gather_sequence(_tails(v, tails, 2), group, 2), cp)
+    d_tails = None
+    if document_ids is not None:
+        parts = [torch.empty_like(_tails(document_ids, tails, 1)) for _ in range(cp)]
+        dist.all_gather(parts, _tails(document_ids, tails, 1).contiguous(), group=group)  # ids: no gradient
+        d_tails = _global_order(torch.cat(parts, dim=1), cp, dim=1)
+    outs = []
+    for j, g in enumerate((rank, 2 * cp - 1 - rank)):
+        own = slice(j * c, (j + 1) * c)
+        keys, values, first = k[:, :, own], v[:, :, own], g * c
+        docs = None if document_ids is None else document_ids[:, own]
+        if g > 0:  # the tail of chunk g - 1, then chunk g
+            piece = slice((g - 1) * tails, g * tails)
+            keys, values = torch.cat([k_tails[:, :, piece], keys], 2), torch.cat([v_tails[:, :, piece], values], 2)
+            docs = None if docs is None else torch.cat([d_tails[:, piece], docs], 1)
+            first -= tails
+        q_index = torch.arange(g * c, (g + 1) * c, device=q.device)
+        k_index = torch.arange(first, (g + 1) * c, device=q.device)
+        if docs is None:
+            mask = visible(q_index, k_index, window)
+        else:
+            mask = document_mask(document_ids[:, own], docs, q_index, k_index, window)
+        if sinks is not None:
+            outs.append(sink_attention(q[:, :, own], keys, values, sinks, mask))
+            continue
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        outs.append(F.scaled_dot_product_attention(q[:, :, own], keys, values, attn_mask=mask))
+    return torch.cat(outs, dim=2)
 
 
 def cp_attention(
@@ -241,9 +307,11 @@ def cp_attention(
     kernel: str | None = None,
     document_ids: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact causal attention for this rank's queries over the whole sequence's keys
-    (each query over its last `window` positions only, with a sliding window).
+    (each query over its last `window` positions only, with a sliding window; with `sinks`
+    [h], one more logit per head in each row's softmax, once per row whatever the chunks).
 
     q: [b, h, s_local, d]; k, v: [b, kv_h, s_local, d]; q_pos: [s_local] global positions of
     this rank's tokens; k_pos: [s] global positions of the gathered keys (cp-rank order).
@@ -253,14 +321,20 @@ def cp_attention(
     kernel = kernel or cp_kernel(q.device)
     if kernel not in KERNELS:
         raise ValueError(f"cp_attention: kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    cp = dist.get_world_size(group)
+    tails = window_tails(window, q.shape[2] * cp, cp)
+    if tails and torch.equal(q_pos.cpu(), zigzag_positions(q.shape[2] * cp, cp, dist.get_rank(group))):
+        return window_attention(
+            q, k, v, group=group, tails=tails, window=window, document_ids=document_ids, sinks=sinks
+        )
     k, v = gather_sequence(k, group, 2), gather_sequence(v, group, 2)
     docs = {}
     if document_ids is not None:
         parts = [torch.empty_like(document_ids) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, document_ids.contiguous(), group=group)  # ids: no gradient
         docs = {"q_docs": document_ids, "k_docs": torch.cat(parts, dim=1)}  # k_docs in cp-rank order, like k_pos
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos, cp=cp, rank=rank, window=window, **docs)
+    rank = dist.get_rank(group)
+    return KERNELS[kernel](q, k, v, q_pos=q_pos, k_pos=k_pos, cp=cp, rank=rank, window=window, sinks=sinks, **docs)
 
 
 class ContextParallelLayout(SequenceLayout):
@@ -279,9 +353,9 @@ class ContextParallelLayout(SequenceLayout):
             raise ValueError(f"context parallelism: {n_tokens} tokens on this rank, the layout has {len(self.q_pos)}")
         return self.q_pos.to(device)
 
-    def attention(self, q, k, v, document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    def attention(self, q, k, v, document_ids=None, window: int | None = None, sinks=None) -> torch.Tensor:
         where = {"group": self.group, "q_pos": self.q_pos, "k_pos": self.k_pos}
-        return cp_attention(q, k, v, **where, document_ids=document_ids, window=window)
+        return cp_attention(q, k, v, **where, document_ids=document_ids, window=window, sinks=sinks)
 
     def sum_over_sequence(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return dist_fn.all_reduce(t, group=self.group), self.cp

@@ -97,6 +97,46 @@ def test_kernels_agree_on_gathered_keys(cp, kv_heads, window):
         assert (x - y).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernels_agree_with_attention_sinks(cp, window):
+    # gpt-oss's sinks (one learned logit per head in each row's softmax, value zero): both
+    # kernels on every rank's queries against the gathered keys match the attention written
+    # out with the sink as one more column (the sink once per row, not once per chunk or block),
+    # outputs and the gradients of q, k, v and the sinks (summed over ranks, as each rank's
+    # copy of a replicated parameter is).
+    g = torch.Generator().manual_seed(7 + cp)
+    b, h, kv_heads, s, d = 2, 4, 2, 32, 8
+    q = torch.randn(b, h, s, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(h, generator=g).mul(2).requires_grad_()
+    w = torch.randn(b, h, s, d, generator=g)
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    index = torch.arange(s)
+    allowed = (index[None] <= index[:, None]) & (window is None or (index[None] > index[:, None] - (window or 0)))
+    scores = (q @ kr.transpose(-1, -2) / d**0.5).masked_fill(~allowed, float("-inf"))
+    scores = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, s, 1)], dim=-1)
+    ref = scores.softmax(-1)[..., :-1] @ vr
+    assert (ref - causal_attention(q, k, v, window)).abs().max() > 0.01  # the sinks take their share
+    (ref * w).sum().backward()
+    k_pos = torch.cat([zigzag_positions(s, cp, r) for r in range(cp)])
+    for name, kernel in KERNELS.items():
+        kg, vg = (_gathered(t.detach(), cp).requires_grad_() for t in (k, v))
+        mine = sinks.detach().clone().requires_grad_()
+        outs, dqs = [], []
+        for rank in range(cp):
+            ql = shard_sequence(q.detach(), cp, rank, dim=2).requires_grad_()
+            where = {"q_pos": zigzag_positions(s, cp, rank), "k_pos": k_pos, "cp": cp, "rank": rank}
+            out = kernel(ql, kg, vg, **where, window=window, sinks=mine)
+            (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
+            outs.append(out.detach())
+            dqs.append(ql.grad)
+        got = [torch.cat(outs, dim=2), torch.cat(dqs, dim=2), kg.grad, vg.grad, mine.grad]
+        want = [*(_gathered(t, cp) for t in (ref.detach(), q.grad, k.grad, v.grad)), sinks.grad]
+        for key, x, y in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+            assert (x - y).abs().max() < 1e-5, (name, key, (x - y).abs().max())
+
+
 def _per_document(q, k, v, lengths, window=None):
     """Plain causal attention over each document alone (row by row): the reference."""
     rows = []
