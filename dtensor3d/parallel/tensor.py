@@ -131,6 +131,37 @@ class WholeProjectionNorm(ParallelStyle):
         return module
 
 
+class ShardParameter(ParallelStyle):
+    """A plan row for a parameter of a module, not a module (the row's path ends in its name):
+    sharded on `dim` over tp, each rank keeping its slice. gpt-oss's per-head attention sinks
+    (`self_attn.sinks` [heads]) are split as q_proj's rows are, so each rank holds its heads'
+    sinks; the model takes the local slice (`to_local`) and the gradient stays sharded."""
+
+    def __init__(self, dim: int = 0):
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        raise TypeError("ShardParameter is applied by apply_tp to the parameter its row names")
+
+    def shard(self, parent: nn.Module, name: str, device_mesh) -> None:
+        param = getattr(parent, name)
+        sharded = distribute_tensor(param.data, device_mesh, (Shard(self.dim),), src_data_rank=None)
+        parent.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def _shard_parameters(block: nn.Module, layer: dict, tp_mesh) -> None:
+    """The plan's ShardParameter rows (paths naming a parameter) that `block` has."""
+    for path, style in layer.items():
+        parent, _, name = path.rpartition(".")
+        if (
+            isinstance(style, ShardParameter)
+            and _has_module(block, parent)
+            and hasattr(block.get_submodule(parent), name)
+        ):
+            style.shard(block.get_submodule(parent), name, tp_mesh)
+
+
 def _mla_rows(shared_key: int) -> dict:
     """Multi-head latent attention's own rows (q_proj and o_proj are Llama's): the per-head up
     projections column-parallel, the shared RoPE key's gradient summed; the down projections
@@ -158,6 +189,7 @@ def tp_plan(
     head_norm = WholeProjectionNorm if whole_norm else per_head
     outer = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "model.mtp_embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),  # pp: MTP's copy
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     layer = {
@@ -165,6 +197,7 @@ def tp_plan(
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "self_attn.sinks": ShardParameter(0),  # gpt-oss: a parameter [heads], split with them
         # [b, heads, s, d]: this rank's heads (dim 1); a module a model lacks is skipped
         "self_attn.q_norm": head_norm(),
         "self_attn.k_norm": head_norm(),
@@ -287,6 +320,7 @@ def apply_tp(model: nn.Module, tp_mesh, parallelism, compiled: bool = False, flo
         moe = hasattr(block, "block_sparse_moe")
         layer = tp_plan(sequence_parallel, moe, overlap == "chunked", shared_key, whole)[1]
         layer |= mtp_rows(sequence_parallel) if name in mtp else {}
+        _shard_parameters(block, layer, tp_mesh)
         layer = {path: style for path, style in layer.items() if _has_module(block, path)}
         if float8 == "tensorwise":
             layer = float8_styles(layer, block, tp_mesh.device_type)

@@ -29,7 +29,7 @@ def _attention_shapes(cfg) -> dict[str, tuple[int, ...]]:
     if cfg.qk_norm:
         out |= {"q_norm.weight": (q,), "k_norm.weight": (kv,)} if cfg.qk_norm_whole else {}
         out |= {} if cfg.qk_norm_whole else {"q_norm.weight": (hd,), "k_norm.weight": (hd,)}
-    return out
+    return ({"sinks": (cfg.num_attention_heads,)} if cfg.sinks else {}) | out  # its own parameter first
 
 
 def _mla_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -65,6 +65,7 @@ def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
         return out | _mlp_shapes("mlp", h, cfg.intermediate_size, cfg.mlp_bias)
     e, inter = cfg.num_local_experts, cfg.expert_intermediate_size
     out["block_sparse_moe.gate.weight"] = (e, h)
+    out |= {"block_sparse_moe.gate.bias": (e,)} if cfg.expert_bias else {}
     if cfg.correction_bias:
         out["block_sparse_moe.gate.e_score_correction_bias"] = (e,)
     out |= {
@@ -72,6 +73,8 @@ def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
         "block_sparse_moe.experts.w2": (e, inter, h),
         "block_sparse_moe.experts.w3": (e, h, inter),
     }
+    if cfg.expert_bias:  # gpt-oss
+        out |= {f"block_sparse_moe.experts.w{i}_bias": (e, h if i == 2 else inter) for i in (1, 2, 3)}
     if cfg.shared_intermediate_size:
         out |= _mlp_shapes("block_sparse_moe.shared_expert", h, cfg.shared_intermediate_size, cfg.mlp_bias)
     return out
@@ -135,6 +138,7 @@ TP_LAYER = {
     "self_attn.v_proj.bias": 0,
     "mlp.gate_proj.bias": 0,
     "mlp.up_proj.bias": 0,
+    "self_attn.sinks": 0,  # gpt-oss: per head (ShardParameter)
 }
 
 

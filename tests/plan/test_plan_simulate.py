@@ -86,6 +86,10 @@ def model_configs():
         "deepseek_v3_full_q_bias": dataclasses.replace(
             load_recipe(DEEPSEEK).model, q_lora_rank=None, attention_bias=True
         ),
+        # gpt-oss: attention sinks and biases, experts and router with biases, every other layer sliding
+        "gpt_oss": dataclasses.replace(
+            moe, family="gpt_oss", attention_bias=True, swiglu_limit=7.0, sliding_window=8, layer_types=None
+        ),
         # Qwen3-MoE's pattern with DeepSeek's pieces: first layer dense, layer 2 dense, moe
         # width 40, two shared experts, the correction bias of balancing
         "qwen3_moe_shared_dense_balanced": dataclasses.replace(
@@ -119,6 +123,7 @@ SPLIT = {
     "deepseek_v3": 2 + 4 * 3 + 3,
     "deepseek_v3_full_q_bias": 2 + 4 * 3 + 3,
     "olmo2": 2 + 4 * (7 + 3 + 2),  # and the q/k norms over the whole projection, split like its columns
+    "gpt_oss": 2 + 4 * (7 + 1),  # q/k/v/o and q/k/v's biases, and the sinks split with the heads
 }
 
 
@@ -131,7 +136,7 @@ def test_tp_dim_reads_the_tp_plan(config):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from dtensor3d.models import build_on_meta
-    from dtensor3d.parallel.tensor import WholeProjectionNorm, tp_plan
+    from dtensor3d.parallel.tensor import ShardParameter, WholeProjectionNorm, tp_plan
 
     cfg = model_configs()[config]
     model, shared_key = build_on_meta(cfg), cfg.qk_rope_head_dim if cfg.mla else 0
@@ -142,9 +147,10 @@ def test_tp_dim_reads_the_tp_plan(config):
         if name.startswith("model.layers."):
             layer = model.get_submodule(".".join(path.split(".")[:3]))
             moe = hasattr(layer, "block_sparse_moe")
-            style = tp_plan(False, moe, shared_key=shared_key, whole_norm=cfg.qk_norm_whole)[1].get(
-                path.split(".", 3)[3]
-            )
+            rows = tp_plan(False, moe, shared_key=shared_key, whole_norm=cfg.qk_norm_whole)[1]
+            style = rows.get(path.split(".", 3)[3])
+            if isinstance(rows.get(name.split(".", 3)[3]), ShardParameter):  # a row naming the parameter itself
+                style = rows[name.split(".", 3)[3]]
         else:
             style = tp_plan(False)[0].get(path)
         expected = None
@@ -156,6 +162,8 @@ def test_tp_dim_reads_the_tp_plan(config):
             expected = 0 if isinstance(module, nn.Embedding) else 1
         elif isinstance(style, WholeProjectionNorm):
             expected = 0
+        elif isinstance(style, ShardParameter):
+            expected = style.dim
         assert tp_dim(name, cfg) == expected, name
         checked += expected is not None
     assert checked == SPLIT[config]
