@@ -41,6 +41,7 @@ class Hardware:
     collective_latency_us: float
     attention_fraction: float
     cores_per_node: int = 0  # CPU: the node's ranks share these cores (0: one device per rank)
+    op_overhead_us: float = 0.0  # CPU: eager dispatch of one op with its backward (GPUs: hidden, the host runs ahead)
     source: str = ""
 
 
@@ -54,7 +55,7 @@ def _entry(name: str, raw, where: str) -> Hardware:
             f"{where}: hardware {name!r} lacks {', '.join(missing)}; every entry gives {', '.join(FIELDS)}"
         )
     values = {}
-    for f in (*FIELDS, "cores_per_node"):
+    for f in (*FIELDS, "cores_per_node", "op_overhead_us"):
         if f not in raw:
             continue
         v = raw[f]

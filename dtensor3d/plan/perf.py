@@ -112,7 +112,7 @@ def comm_seconds(recipe, hw, nodes: int) -> list[dict[str, float]]:
             n, bw = group_link(dims, GROUP_AXES[dim], hw, nodes, world)
             if dim == "pp":
                 n = 2 if p.pp_enabled else 1
-            hops = 1 + math.ceil(math.log2(max(n, 2)))
+            hops = math.ceil(math.log2(max(n, 2)))
             row[dim] = collective_seconds(kinds, n, bw) + (calls[dim] * hops * hw.collective_latency_us * 1e-6) * (
                 n > 1
             )
@@ -160,7 +160,13 @@ def per_rank_hardware(hw, recipe, nodes: int):
         return hw
     share = min(1.0, hw.cores_per_node / (recipe.parallelism.world_size / nodes))
     return dataclasses.replace(
-        hw, bf16_tflops=hw.bf16_tflops * share, fp8_tflops=hw.fp8_tflops * share, hbm_gbps=hw.hbm_gbps * share
+        hw,
+        bf16_tflops=hw.bf16_tflops * share,
+        fp8_tflops=hw.fp8_tflops * share,
+        hbm_gbps=hw.hbm_gbps * share,
+        op_overhead_us=hw.op_overhead_us / share,
+        intra_node_gbps=hw.intra_node_gbps * share,
+        collective_latency_us=hw.collective_latency_us / share,
     )
 
 
@@ -168,6 +174,7 @@ ADVICE = {
     "matmul_s": "compute-bound (matmuls): float8 (training.float8) or larger matmuls per rank (smaller tp)",
     "attention_s": "attention-bound: a faster attention kernel, or a shorter sequence per rank (more cp)",
     "memory_s": "memory-bound ops: training.compile=true fuses them; recompute selective/none recomputes less",
+    "host_s": "host-bound (eager dispatch): training.compile=true, larger microbatches",
     "tp_s": "tensor-parallel communication: tp_linear_async_communication=true, a smaller tp, tp within a node",
     "cp_s": "context-parallel K/V exchange: a smaller cp, or cp within a node",
     "ep_s": "expert all-to-all: ep within a node, or pp_engine dualpipev (overlaps it)",
@@ -201,7 +208,7 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
     tokens = t.global_batch_size * t.sequence_length
     flops = flops_per_step(recipe)
     slow = max(rows, key=lambda r: r["busy_s"])
-    parts = {k: slow[k] for k in ("matmul_s", "attention_s", "memory_s", "tp_s", "cp_s", "ep_s", "pp_s")}
+    parts = {k: slow[k] for k in ("matmul_s", "attention_s", "memory_s", "host_s", "tp_s", "cp_s", "ep_s", "pp_s")}
     parts |= {"bubble_s": makespan - busy, "dp_exposed_s": slow["dp_exposed_s"], "optimizer_s": slow["optimizer_s"]}
     bound = max(parts, key=parts.get)
     return {

@@ -35,6 +35,10 @@ ROPE_PASSES = (9, 2)  # x cos + rotate_half(x) sin: negate, concatenate, two pro
 SWIGLU_PASSES = (5, 3)  # silu(gate) * up: silu reads and writes, the product reads two and writes
 LOSS_BYTES = 36  # per logit, forward and backward (fp32 upcast, log-softmax, its gradient, downcast)
 FP8_CAST_BYTES = 5  # per element cast to fp8: read the bf16 tensor twice (amax, scale) and write one byte
+# Ops one decoder layer's forward dispatches (each with its backward), eager / compiled: what
+# a host pays per op where it cannot run ahead of the device (the CPU: hardware op_overhead_us)
+LAYER_OPS = (40, 6)
+OUTER_OPS = 12  # the embedding, final norm, head and loss
 
 
 def float8_on(recipe) -> bool:
@@ -129,10 +133,12 @@ def layer_seconds(recipe, hw, layer: int, fp8: bool, sac_matmuls: float = 0.0) -
         casts = sum(c * (M * K + K * N + M * N) for M, K, N, c in gemms) * FP8_CAST_BYTES
         mem += casts / (_bandwidth(hw) * HBM_EFF) / 3  # the forward's third; x3 below
     again = {"none": (0, 0, 0), "selective": (sac_matmuls, 0, 1), "full": (1, 1, 1)}[p.recompute]
+    ops = LAYER_OPS[1 if recipe.training.compile else 0] * (1 + again[2])
     return {
         "matmul_s": mm * (3 + again[0]),
         "attention_s": attn * (3.5 + again[1]),
         "memory_s": mem * (3 + again[2]),
+        "host_s": ops * hw.op_overhead_us * 1e-6,
     }
 
 
@@ -140,7 +146,7 @@ def rank_seconds(recipe, hw, part: Part, fp8: bool, sac_matmuls: float = 0.0) ->
     """One microbatch through every stage of pp rank `part`: matmul, attention and memory
     seconds (forward, backward, recompute), with the embedding, the head and the loss."""
     z = sizes(recipe)
-    out = {"matmul_s": 0.0, "attention_s": 0.0, "memory_s": 0.0}
+    out = {"matmul_s": 0.0, "attention_s": 0.0, "memory_s": 0.0, "host_s": OUTER_OPS * hw.op_overhead_us * 1e-6}
     for layer in part.layers:
         for key, s in layer_seconds(recipe, hw, layer, fp8, sac_matmuls).items():
             out[key] += s

@@ -6,6 +6,7 @@ TERMS = (
     ("matmul_s", "matmuls"),
     ("attention_s", "attention"),
     ("memory_s", "memory-bound ops"),
+    ("host_s", "host dispatch (eager ops)"),
     ("tp_s", "tp communication (exposed)"),
     ("cp_s", "cp K/V exchange"),
     ("ep_s", "ep all-to-all (exposed)"),
