@@ -6,9 +6,9 @@ from ..errors import RecipeError
 
 
 def validate_mtp(recipe) -> None:
-    """A negative depth or weight, a depth that leaves no target in the window, and the meshes
-    MTP does not run at yet: each one RecipeError line naming the key, the value and what is valid."""
-    m, p, seq = recipe.model, recipe.parallelism, recipe.training.sequence_length
+    """A negative depth or weight and a depth that leaves no target in the window: each one
+    RecipeError line naming the key, the value and what is valid. (MTP runs at every mesh.)"""
+    m, seq = recipe.model, recipe.training.sequence_length
     depth = m.num_nextn_predict_layers
     if depth < 0:
         raise RecipeError(f"model.num_nextn_predict_layers={depth} must be >= 0 (0: no multi-token prediction)")
@@ -18,11 +18,4 @@ def validate_mtp(recipe) -> None:
         raise RecipeError(
             f"model.num_nextn_predict_layers={depth}: depth k predicts the token k+1 ahead, so it must be below "
             f"training.sequence_length={seq}; valid: 0 to {seq - 1}"
-        )
-    busy = {axis: getattr(p, axis) for axis in ("pp",) if getattr(p, axis) > 1}
-    if depth and busy:
-        axis, size = next(iter(busy.items()))
-        raise RecipeError(
-            f"parallelism.{axis}={size}: model.num_nextn_predict_layers={depth} runs at dp and ep only so far; "
-            f"valid {axis}: 1 (or num_nextn_predict_layers: 0)"
         )

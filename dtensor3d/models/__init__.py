@@ -40,12 +40,14 @@ def _no_module_init():
 
 
 HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+MTP_EMBEDDING = "model.mtp_embed_tokens.weight"  # MTP's copy of the embedding on a pipeline's last stage
 
 
 def stored_name(cfg, name: str) -> str:
     """The name a parameter is initialised, saved and loaded under: a tied model's head
-    weight is the embedding's (a pipeline's last stage holds its own copy of it)."""
-    return EMBEDDING if name == HEAD and cfg.tie_word_embeddings else name
+    weight and MTP's copy of the embedding are the embedding's (a pipeline's last stage holds
+    its own copy of it)."""
+    return EMBEDDING if (name == HEAD and cfg.tie_word_embeddings) or name == MTP_EMBEDDING else name
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
@@ -59,9 +61,15 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
 
 
 def _is_tied(model: nn.Module) -> bool:
-    head, model_ = getattr(model, "lm_head", None), getattr(model, "model", None)
-    embed = getattr(model_, "embed_tokens", None)
+    head, embed = getattr(model, "lm_head", None), _embedding(model)
     return head is not None and embed is not None and head.weight is embed.weight
+
+
+def _embedding(model: nn.Module) -> nn.Module | None:
+    """The stage's embedding: embed_tokens, or on a pipeline's last stage MTP's copy of it."""
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    return embed if embed is not None else getattr(inner, "mtp_embed_tokens", None)
 
 
 def tie_weights(model: nn.Module) -> nn.Module:
@@ -69,11 +77,7 @@ def tie_weights(model: nn.Module) -> nn.Module:
     replaces parameters (tensor parallelism's styles, `to_empty`) unties them; tie again
     right after, and before FSDP, so FSDP manages one parameter, not two."""
     cfg = getattr(model, "cfg", None)
-    if (
-        cfg is not None
-        and cfg.tie_word_embeddings
-        and model.lm_head is not None
-        and model.model.embed_tokens is not None
-    ):
-        model.lm_head.weight = model.model.embed_tokens.weight
+    embed = _embedding(model)
+    if cfg is not None and cfg.tie_word_embeddings and model.lm_head is not None and embed is not None:
+        model.lm_head.weight = embed.weight  # (MTP's copy on a pipeline's last stage: the head's)
     return model

@@ -168,6 +168,7 @@ class LlamaModel(nn.Module):
             {str(i): DecoderLayer(cfg, hooks, moe=cfg.is_moe_layer(i), index=i) for i in range(cfg.num_hidden_layers)}
         )
         self.norm = _norm(cfg, cfg.hidden_size)
+        self.mtp_embed_tokens = None  # a pipeline's last stage: its copy of embed_tokens for MTP (keep_only)
         n, depth = cfg.num_hidden_layers, cfg.num_nextn_predict_layers  # MTP modules (models/mtp.py), or None
         self.mtp = (
             nn.ModuleDict({str(i): make_mtp_layer(DecoderLayer, _norm, cfg, hooks, i) for i in range(n, n + depth)})
@@ -255,6 +256,11 @@ class LlamaForCausalLM(nn.Module):
         for i in list(self.model.layers.keys()):
             if int(i) not in layers:
                 del self.model.layers[i]
+        if last and not first and self.model.mtp is not None:
+            # MTP shares the input embedding: the last stage keeps its own copy under another
+            # name (a tied head's parameter, where tied), saved and loaded as the embedding
+            # (models.stored_name); parallel/tied.py sums the copies' gradients
+            self.model.mtp_embed_tokens = self.model.embed_tokens
         if not first:
             self.model.embed_tokens = None
         if not last:

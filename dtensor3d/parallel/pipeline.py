@@ -120,6 +120,9 @@ def merge_stages(parts: list[nn.Module]) -> nn.Module:
     merged.model.embed_tokens = next((q.model.embed_tokens for q in parts if q.model.embed_tokens is not None), None)
     merged.model.norm = next((q.model.norm for q in parts if q.model.norm is not None), None)
     merged.lm_head = next((q.lm_head for q in parts if q.lm_head is not None), None)
+    for name in ("mtp", "mtp_embed_tokens"):  # the last stage's MTP modules and embedding copy (models/mtp.py)
+        held = [getattr(q.model, name) for q in parts if getattr(q.model, name) is not None]
+        setattr(merged.model, name, held[0] if held else None)
     return merged
 
 

@@ -1,4 +1,7 @@
-"""Tied embeddings across pipeline stages (Megatron-LM's embedding group).
+"""Tied embeddings across pipeline stages (Megatron-LM's embedding group), and the embedding
+multi-token prediction shares (models/mtp.py: a pipeline's last stage holds the MTP modules,
+which read the input embedding; its copy there, `model.mtp_embed_tokens`, is the tied head's
+parameter where the model is tied, and is handled here exactly like the tied head's copy).
 
 A tied model (`model.tie_word_embeddings`) uses one matrix as the embedding and as the head.
 One process holds it once. Under pp the embedding lives on the first stage and the head on
@@ -43,8 +46,11 @@ class TiedGrads:
 
 
 def split_apart(recipe) -> bool:
-    """Whether the tied matrix has two copies: a tied model split into pipeline stages."""
-    return recipe.model.tie_word_embeddings and recipe.parallelism.pp_enabled
+    """Whether the embedding matrix has two copies: a model split into pipeline stages whose
+    last stage uses it too -- as the tied head, or as MTP's input embedding (models/mtp.py:
+    `mtp_embed_tokens`, the tied head's parameter where both)."""
+    m = recipe.model
+    return bool(m.tie_word_embeddings or m.num_nextn_predict_layers) and recipe.parallelism.pp_enabled
 
 
 def norm_share(recipe, cfg, name: str) -> float:

@@ -58,9 +58,12 @@ def expand_batch(recipe, batch: tuple) -> tuple:
 def step_metrics(recipe, parts: list, reports: bool, loss_tokens: int | None, device) -> dict:
     """{"loss/main", "loss/mtp_k"} of the step: the microbatches' parts summed over the ranks
     that report the loss, renormalised like the loss where a loss mask leaves `loss_tokens`
-    targets (train.renormalise). Clears `parts`."""
+    targets (train.renormalise). The step's rows are the last num_microbatches ones: a pipeline
+    schedule also calls the loss in its shape inference (the first step, and again after a
+    validation). Clears `parts`."""
     depth, t = recipe.model.num_nextn_predict_layers, recipe.training
     scale = 1.0 if loss_tokens is None else t.global_batch_size * t.sequence_length / max(loss_tokens, 1)
+    parts[:] = parts[-recipe.num_microbatches :]
     total = torch.stack(parts).sum(0) if parts else torch.zeros(1 + depth, device=device)
     parts.clear()
     total = total.to(device) * float(reports)
