@@ -256,6 +256,7 @@ TP_DIM = {
     "mlp.up_proj.bias": 0,
     "self_attn.o_proj.bias": None,
     "mlp.down_proj.bias": None,
+    "self_attn.sinks": 0,  # gpt-oss: per head, split with the heads (tensor.py's ShardParameter)
 }
 
 
@@ -352,10 +353,14 @@ def check_comm(run_dir: Path, recipe) -> None:
     exactly (dims sharing one process group, "a+b", against the sum of the two). Expert
     all-to-all bytes depend on the routing (the estimate assumes uniform): only checked to
     happen."""
+    from dtensor3d.plan.muon_cost import muon_stage
+
+    muon = [0] * recipe.parallelism.pp  # optimizer.name=muon: the sends of the owner-rank exchange, per stage
     for f in sorted((run_dir / "layout").glob("rank*.json")):
         rank = json.loads(f.read_text())
         got, want = rank["comm_bytes"], _expected_comm(recipe, rank["coords"]["pp"])
         assert got is not None, f"{f.name}: no step-2 collective count"
+        muon[rank["coords"]["pp"]] += got.get("world", {}).pop("send_recv", 0)
         # A rank whose stages hold no layer with experts (moe_layers, pp) routes nothing.
         routes = want.get("ep", {}).get("all_to_all", 0) > 0
         merged: dict[str, dict[str, int]] = {}
@@ -373,6 +378,8 @@ def check_comm(run_dir: Path, recipe) -> None:
         got = {d: kinds for d, kinds in got.items() if kinds}
         merged = {d: kinds for d, kinds in merged.items() if kinds}
         assert got == merged, (f.name, rank["coords"], got, merged)
+    if recipe.optimizer.name == "muon":  # each rank's share depends on what it owns: the stage's sum
+        assert muon == [s["sent_bytes"] for s in muon_stage(recipe)], (muon, muon_stage(recipe))
 
 
 # ---------------------------------------------------------------- prepared sources of distinct documents

@@ -131,13 +131,14 @@ def check_index(root: str, index: dict[str, dict], expected: dict[str, list[int]
         )
 
 
+MUON_KEYS = {"momentum_buffer"}  # training/muon.py's state of a matrix it updates
 UNTRAINED = ".e_score_correction_bias"  # parameters without gradient or optimizer state (models/moe.py)
 
 
 def check_optim(step_dir: str, index: dict[str, dict], expected: dict[str, list[int]]) -> None:
     """Optimizer tensors "<param>.<key>": the same keys for every trained parameter (none for
-    a router's correction bias, which has no gradient), each of the parameter's shape or a
-    scalar (AdamW's step), in whole slices."""
+    a router's correction bias, which has no gradient; optimizer.name=muon: Muon's matrices
+    have only MUON_KEYS), each of the parameter's shape or a scalar (AdamW's step), in whole slices."""
     if not index:
         return
     keys: dict[str, set] = {name: set() for name in expected if not name.endswith(UNTRAINED)}
@@ -148,9 +149,9 @@ def check_optim(step_dir: str, index: dict[str, dict], expected: dict[str, list[
                 f"{_first_file(step_dir, index[entry])}: optimizer tensor {entry} belongs to no parameter of the model"
             )
         keys[param].add(key)
-    first = next(iter(keys))
+    first = next((p for p, got in keys.items() if got != MUON_KEYS), next(iter(keys)))
     for param, got in keys.items():
-        if got != keys[first]:
+        if got != keys[first] and got != MUON_KEYS:
             raise CheckpointError(
                 f"checkpoint {step_dir}: optimizer state of {param} has {sorted(got)}, of {first} {sorted(keys[first])}"
             )
@@ -175,6 +176,7 @@ TRAJECTORY_KEYS = (
     ("data", "sources"),  # a mixture and the stages begun by the saved step: which source each sample came from
     ("data", "stages"),  # (a stage that begins after the saved step may be added, changed or dropped)
     ("data", "document_masking"),  # what each token attends to; absent (older checkpoints) means false
+    ("optimizer", "name"),  # adamw or muon: the saved state is one's or the other's; absent (older) means adamw
 )
 # data.validation is not among them: it changes which windows val_loss reads, never the training samples.
 
@@ -191,6 +193,8 @@ def _trajectory_value(sections, section: str, key: str):
         value = sections.to_dict()[section][key]  # as the saved record writes it
     if (section, key) == ("data", "document_masking"):
         return bool(value)
+    if (section, key) == ("optimizer", "name"):
+        return value or "adamw"
     return get("training", "seed") if (section, key) == ("data", "seed") and value is None else value
 
 

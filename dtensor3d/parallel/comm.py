@@ -39,6 +39,9 @@ KINDS = (
     ("recv", "send_recv"),
     ("broadcast", "broadcast"),
 )
+# The tag of the optimizer's point-to-point sends (Muon's owner-rank exchange,
+# training/muon_owners.py): counted under "world" whatever mesh dim shares the default group.
+OPTIMIZER_TAG = 37
 INPUTS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")
 MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
@@ -128,6 +131,8 @@ class CommCounter(TorchDispatchMode):
         if not isinstance(group, str):
             group = (group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)).group_name
         dim = self.force or self.group_dims.get(group, "world")
+        if values.get("tag") == OPTIMIZER_TAG:  # the optimizer's own sends, on the default group
+            dim = "world"
         payload = next(values[n] for n in INPUTS if n in values)
         sent = 0 if name.startswith("recv") else sum(t.numel() * t.element_size() for t in tensors_in(payload))
         self.bytes[dim][kind] += sent

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from .collectives import comm_bytes
 from .memory import bubble_fraction, in_flight, stage_activation_bytes
+from .muon_cost import muon_stage, optimizer_bytes
 from .params import COMM_DIMS, FP32, Part, rank_parts, stage_units, unit_numels
 from .shapes import flops_per_token
 
@@ -84,11 +85,15 @@ def stage_estimate(recipe, part: Part, units: dict[str, dict]) -> dict:
         "params": params,
         "param_bytes": params * FP32,
         "grad_bytes": params * FP32,
-        "optimizer_bytes": 2 * params * FP32 + tensors * FP32,  # exp_avg, exp_avg_sq; a step scalar each
+        "optimizer_bytes": optimizer_bytes(recipe, part.rank, params, tensors),  # AdamW's moments; Muon's buffers
         "activation_bytes_per_microbatch": per_micro,
         "microbatches_in_flight": in_flight(recipe, part.rank),
         "activation_bytes": in_flight_bytes + once,
     }
+    if recipe.optimizer.name == "muon":  # plan/muon_cost.py: the owner-rank exchange, its bf16 matrices
+        muon = muon_stage(recipe)[part.rank]
+        row["muon_sent_bytes"] = muon["sent_bytes"] // (recipe.parallelism.world_size // recipe.parallelism.pp)
+        row["muon_owner_bytes"] = muon["owner_bytes"]
     row["peak_bytes"] = (
         row["param_bytes"]
         + row["grad_bytes"]
@@ -110,8 +115,15 @@ def _busiest(per_stage: list[dict]) -> dict:
     return {dim: max((s[dim] for s in per_stage), key=lambda k: k["total"]) for dim in COMM_DIMS}
 
 
-def estimate(recipe, peak_tflops: float | None = None, mfu: float = 0.4, backend: str | None = None) -> dict:
-    """The whole estimate (the JSON under `plan --json`'s key "estimate")."""
+def estimate(
+    recipe, peak_tflops: float | None = None, mfu: float = 0.4, backend: str | None = None, resolve: bool = True
+) -> dict:
+    """The whole estimate (the JSON under `plan --json`'s key "estimate"); `fsdp_reshard_after_forward:
+    auto` decided as this machine would (plan/reshard.py; resolve=False: taken as default)."""
+    if resolve:
+        from .reshard import resolve_here
+
+        recipe, _ = resolve_here(recipe)
     p, t = recipe.parallelism, recipe.training
     comm = comm_bytes(recipe, backend)
     stages = []

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
 
 from ..checkpoint.slices import held_indices
+from ..parallel.comm import OPTIMIZER_TAG
 from ..parallel.shards import is_dtensor, local
 
 Index = tuple[torch.Tensor, torch.Tensor]  # rows [r, 1] and columns [1, c] of a piece in its full matrix
@@ -114,11 +115,11 @@ def orthogonalise(units: list[Unit], updates: dict, steps: int) -> dict:
                     full[ix] = _piece(u, sent)
                 else:
                     buf = torch.empty(ix[0].shape[0], ix[1].shape[1], dtype=full.dtype, device=full.device)
-                    reqs.append(dist.irecv(buf, rank))
+                    reqs.append(dist.irecv(buf, rank, tag=OPTIMIZER_TAG))
                     arrived.append((full, ix, buf))
         else:
             piece = _piece(u, sent).contiguous()
-            reqs.append(dist.isend(piece, u.owner))
+            reqs.append(dist.isend(piece, u.owner, tag=OPTIMIZER_TAG))
             arrived.append((None, None, piece))  # keep the sent tensor alive until its send completes
     _wait(reqs)
     for full, ix, buf in arrived:
@@ -139,11 +140,11 @@ def _scatter(units: list[Unit], fulls: dict, out: dict, steps: int, me: int) -> 
                     target.copy_(ortho[ix])
                 else:
                     piece = ortho[ix].contiguous()
-                    reqs.append(dist.isend(piece, rank))
+                    reqs.append(dist.isend(piece, rank, tag=OPTIMIZER_TAG))
                     back.append((None, piece))
         else:
             buf = torch.empty_like(target) if not target.is_contiguous() else target
-            reqs.append(dist.irecv(buf, u.owner))
+            reqs.append(dist.irecv(buf, u.owner, tag=OPTIMIZER_TAG))
             back.append((target, buf))
     _wait(reqs)
     for target, buf in back:

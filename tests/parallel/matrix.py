@@ -77,6 +77,15 @@ OPTIONS = (
             ),
             # SmolLM3: layers 1 and 3 without RoPE (NoPE)
             "smollm3": ("model.family=smollm3", "model.nope_layers=[1, 3]"),
+            # gpt-oss on the mixture-of-experts recipe: learned attention sinks (split with the heads
+            # under tp, once per row under cp), attention biases, experts and router with biases, the
+            # SwiGLU clamped at 0.1 (reached at init), layers 1 and 3 full where the window option slides
+            "gpt_oss": (
+                "model.family=gpt_oss",
+                "model.attention_bias=true",
+                "model.swiglu_limit=0.1",
+                "model.layer_types=[sliding_attention, full_attention, sliding_attention, full_attention]",
+            ),
         },
         model=True,
     ),
@@ -129,9 +138,25 @@ OPTIONS = (
         {"none": (), "full": ("parallelism.recompute=full",), "selective": ("parallelism.recompute=selective",)},
     ),
     Option("compile", {"eager": (), "compiled": ("training.compile=true",)}),
+    # torchao's float8 matmuls on the decoder blocks' linears (parallel/float8.py), bf16 only
+    Option(
+        "float8",
+        {
+            "off": (),
+            "tensorwise": ("training.float8={recipe: tensorwise}",),
+            "rowwise": ("training.float8={recipe: rowwise}",),
+        },
+        model=True,
+    ),
+    # Muon on the decoder layers' matrices (training/muon.py), Moonlight's lr adjustment
+    Option(
+        "optimizer",
+        {"adamw": (), "muon": ("optimizer.name=muon", "optimizer.muon_adjust_lr=match_rms_adamw")},
+        model=True,
+    ),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
-EXPERTS = ("moe", "qwen3_moe", "deepseek_v3", "glm4_moe")  # the model values with experts
+EXPERTS = ("moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")  # the model values with experts
 MAX_WORLD = 8
 GLOBAL_BATCH = 8  # the parity recipes' global_batch_size
 
@@ -235,6 +260,12 @@ RULES = (
         "the V schedules' split backward cannot run compiled",
         ("pp", "compile"),
         lambda r: r["pp"] not in ("zbv", "dualpipev") or r["compile"] == "eager",
+    ),
+    Rule("float8 computes in bf16", ("float8", "dtype"), lambda r: r["float8"] == "off" or r["dtype"] == "bfloat16"),
+    Rule(
+        "float8 has no overlapped tp path (its chunked matmuls are not torchao's)",
+        ("float8", "tp_async", "tp"),
+        lambda r: r["float8"] == "off" or r["tp_async"] == "off" or r["tp"] == "1",
     ),
     Rule(
         "a whole number of microbatches per batch rank",

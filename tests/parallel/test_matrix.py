@@ -73,6 +73,23 @@ def bf16_bars(own: list[dict], exact: list[dict], keys: tuple[str, ...]) -> dict
     return {**bars, "val_loss": max(error("val_loss"), error("loss")) + BF16_TOL["loss"]}
 
 
+def muon_bars(twin: list[dict], ref: list[dict], keys: tuple[str, ...], tol: float) -> dict[str, float]:
+    """The bars for an fp32 Muon run over `tol`: per key, dp 2's distance from one process
+    (`twin` against `ref`, the largest over the steps) plus `tol`. Muon's update is exact at
+    every mesh (tests/training/test_muon.py: bitwise torch's on every layout), but torch's
+    Newton-Schulz rounds its input to bf16, so the ~1e-7 by which the order of a mesh's
+    gradient sums moves them flips single bf16 roundings and grows step by step (measured: one
+    process against itself at another microbatch size, grad_norm 2.5e-5 by step 6); dp 2 shard,
+    whose only difference from one process is that order, measures that drift for the run's
+    own model and options."""
+
+    def error(key: str) -> float:
+        return max((abs(t[key] - r[key]) / abs(r[key]) for t, r in zip(twin, ref) if key in r), default=0.0)
+
+    bars = {k: error(k) + tol for k in keys}
+    return {**bars, "val_loss": max(error("val_loss"), error("loss")) + tol}
+
+
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory) -> str:
     """The prepared directory of packed short documents the `documents=masked` runs read."""
@@ -80,7 +97,9 @@ def documents(tmp_path_factory) -> str:
 
 
 def recipe_of(run: dict[str, str]) -> str:
-    return {"moe": MOE, "qwen3_moe": MOE, "glm4_moe": MOE, "deepseek_v3": DEEPSEEK}.get(run["model"], PARITY)
+    return {"moe": MOE, "qwen3_moe": MOE, "glm4_moe": MOE, "gpt_oss": MOE, "deepseek_v3": DEEPSEEK}.get(
+        run["model"], PARITY
+    )
 
 
 def test_every_pair_is_covered():
@@ -174,16 +193,25 @@ def test_matrix_parity(run, reference, shared_run, documents, tmp_path, record_p
     try:
         worst = assert_parity(got, ref, lrs, keys=keys, tol=tolerance(run))
     except AssertionError:
+        if run["optimizer"] == "muon" and run["dtype"] == "float32":
+            twin = shared_run(2, [*reference_overrides(run, documents), "parallelism.dp=2"], recipe_of(run))[0]
+            worst = assert_parity(got, ref, lrs, keys=keys, tol=muon_bars(twin, ref, keys, tolerance(run)))
+            print(f"{name(run)}: over its bar; from one process within dp 2's own Muon drift")
+            return _after_parity(run, got, ref, worst, tmp_path, recipe, record_property)
         if run["dtype"] != "bfloat16":
             raise
         # Over BF16_TOL: no further from the fp32 run than the reference, give or take
         # BF16_TOL (bf16_bars); a compiled run than the reference compiled (inductor's fused
         # kernels round bf16 in other places than eager). Those runs are trained only then.
-        exact = reference(reference_overrides({**run, "dtype": "float32"}, documents), recipe_of(run))
+        exact = reference(reference_overrides({**run, "dtype": "float32", "float8": "off"}, documents), recipe_of(run))
         compiled = run["compile"] == "compiled"
         own = reference_run(run, recipe, documents, reference, shared_run, compiled) if compiled else ref
         worst = assert_parity(got, exact, lrs, keys=keys, tol=bf16_bars(own, exact, keys))
         print(f"{name(run)}: over BF16_TOL from its reference; from fp32 within the reference's own bf16 error")
+    _after_parity(run, got, ref, worst, tmp_path, recipe, record_property)
+
+
+def _after_parity(run, got, ref, worst, tmp_path, recipe, record_property) -> None:
     for key, rel in worst.items():
         record_property(f"max_rel_{key}", rel)  # shown with --junitxml
     if run["model"] in EXPERTS and run["dtype"] == "float32" and run["compile"] == "eager":

@@ -1,0 +1,70 @@
+"""optimizer.name: muon's cost (training/muon.py, training/muon_owners.py) for `plan`: which parameters
+are Muon's, the momentum buffer they keep instead of AdamW's two moments and step, and the
+bytes of the owner-rank exchange. Pure Python.
+
+Each matrix's holders (the ranks whose pieces meet it: FSDP's and tp's splits; an expert's
+matrix sits whole on one rank, since FSDP and ep cut the experts' dim) send the owner their
+pieces and get theirs back, in bf16: per matrix and replica group 2 x 2 bytes x (numel - the
+owner's piece) sent, counted (as parallel/comm.py counts them) as point-to-point sends on the
+default group: "world", "send_recv". Which rank owns which matrix goes round-robin, so a
+rank's own share varies: the estimate is the stage's total over its ranks (even pieces), and
+the owner's transient, the bf16 matrices it orthogonalises at once, as the mean per rank.
+"""
+
+from __future__ import annotations
+
+from .params import FP32, param_table, shard_numel
+from .shapes import param_shapes, tp_dim
+
+BF16 = 2
+
+
+def is_muon(name: str, shape) -> bool:
+    """training/muon.is_muon_matrix on names and shapes: a decoder layer's matrix (or stack
+    of expert matrices), not the router's gate."""
+    return name.startswith("model.layers.") and len(shape) >= 2 and not name.endswith(".gate.weight")
+
+
+def _holders(recipe, name: str, row: dict) -> tuple[int, int]:
+    """(ranks holding a piece of one of its matrices, ranks per replica group)."""
+    p = recipe.parallelism
+    t = p.tp if p.tp_enabled and tp_dim(name, recipe.model) is not None else 1
+    g = row["group"] if p.fsdp_enabled else 1
+    if ".experts." in name:
+        return 1, t * g  # whole experts per rank; tp replicates them
+    rows = row["shape"][0]
+    chunk = -(-rows // g)
+    return t * -(-rows // chunk), t * g
+
+
+def muon_stage(recipe) -> list[dict[str, int]]:
+    """Per pp rank: {"matrices", "buffer_numel" (this rank's momentum elements), "adamw_numel",
+    "sent_bytes" (the stage's ranks together, per step), "owner_bytes" (mean per rank)}."""
+    p = recipe.parallelism
+    stage_ranks = p.world_size // p.pp
+    full = param_shapes(recipe.model)
+    out = [dict(matrices=0, buffer_numel=0, tensors=0, sent_bytes=0, owner_bytes=0) for _ in range(p.pp)]
+    for name, row in param_table(recipe).items():
+        if not (row["grad"] and is_muon(name, full[name])):
+            continue
+        s = out[row["stage"]]
+        shape = full[name]
+        count, numel = (shape[0], shape[1] * shape[2]) if len(shape) == 3 else (1, shape[0] * shape[1])
+        holders, group = _holders(recipe, name, row)
+        replicas = stage_ranks // group
+        s["matrices"] += count
+        s["tensors"] += 1
+        s["buffer_numel"] += shard_numel(row["shape"], row["group"] if p.fsdp_enabled else 1)
+        s["sent_bytes"] += replicas * count * 2 * BF16 * (numel - numel // holders)
+        s["owner_bytes"] += replicas * count * numel * BF16 // stage_ranks
+    return out
+
+
+def optimizer_bytes(recipe, stage: int, params: int, tensors: int) -> int:
+    """A rank's optimizer state: AdamW's two fp32 moments and step per parameter, or under
+    muon one fp32 momentum buffer (no step) for Muon's."""
+    adamw = 2 * params * FP32 + tensors * FP32
+    if recipe.optimizer.name != "muon":
+        return adamw
+    s = muon_stage(recipe)[stage]
+    return adamw - s["buffer_numel"] * FP32 - s["tensors"] * FP32
