@@ -21,6 +21,16 @@ def stage_layers(num_layers: int, pp: int, pp_layers: tuple[int, ...] | None = N
     return [range(s, s + c) for s, c in zip(starts, counts)]
 
 
+def window_tails(window: int | None, seq_len: int, cp: int) -> int | None:
+    """Context parallelism under a sliding window: how many keys of the chunk before it each
+    zigzag chunk (seq_len / 2cp tokens) needs -- window - 1, where that fits in one chunk: a rank
+    then gathers only those tails, not the whole sequence (parallel/context.py). None: no window,
+    cp 1, or a window wider than a chunk (the whole sequence is gathered)."""
+    if window is None or cp == 1 or window - 1 > seq_len // (2 * cp):
+        return None
+    return window - 1
+
+
 V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V (rank r: stages r and 2*pp-1-r)
 
 

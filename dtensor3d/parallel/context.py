@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
+from einops import rearrange
 from torch.autograd.function import once_differentiable
 
 from ..config.parallelism import window_tails
@@ -290,9 +291,12 @@ def window_attention(q, k, v, *, group, tails: int, window: int, document_ids=No
         if sinks is not None:
             outs.append(sink_attention(q[:, :, own], keys, values, sinks, mask))
             continue
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        outs.append(F.scaled_dot_product_attention(q[:, :, own], keys, values, attn_mask=mask))
+        # grouped-query attention without repeating K/V (SDPA takes no GQA with a mask on CUDA):
+        # each K/V head's rep query heads stacked along the queries, the mask tiled alike
+        qg = rearrange(q[:, :, own], "b (g r) s d -> b g (r s) d", r=rep)
+        tiled = mask.repeat(*([1] * (mask.dim() - 2)), rep, 1)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=tiled)
+        outs.append(rearrange(out, "b g (r s) d -> b (g r) s d", r=rep))
     return torch.cat(outs, dim=2)
 
 

@@ -5,6 +5,7 @@ against what parallel/comm.py counts on real runs. Pure Python."""
 from __future__ import annotations
 
 from ..config.low_precision import float8_all_gather
+from ..config.parallelism import window_tails
 from ..config.schema import V_SCHEDULES
 from .memory import _moe_layers
 from .params import (
@@ -292,22 +293,33 @@ def pp_bytes(recipe, part: Part) -> dict[str, int]:
 
 def cp_bytes(recipe, part: Part, backend: str) -> dict[str, int]:
     """Per step: each attention all-gathers its k and v (again as often as `replays` says),
-    and with data.document_masking its tokens' int64 document ids; backward reduce-scatters
-    the k, v gradients (gloo: all-reduces them). MoE layers all-reduce their routing sums
+    and with data.document_masking its tokens' int64 document ids (a sliding window's layer: only
+    the chunks' tails, `cp_gathered_tokens`); backward reduce-scatters the k, v gradients (gloo:
+    all-reduces them). MoE layers all-reduce their routing sums
     (2E + 1 floats) forward (and in each replay) and backward."""
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
     if not p.cp_enabled:
         return _kinds()
-    kv = z.tokens * z.kv_pair * z.compute + (z.tokens * 8 if recipe.data.document_masking else 0)
-    grads = z.kv_tokens * z.kv_pair * z.compute
     stats = (2 * m.num_local_experts + 1) * z.router
     bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"
     mb, per_step = recipe.num_microbatches, {"all_gather": 0, bwd_kind: 0, "all_reduce": 0}
-    for moe, again, _ in _layer_runs(recipe, part):
+    indices = [i for layers in part.stage_layers for i in layers]  # _layer_runs' order
+    for (moe, again, _), i in zip(_layer_runs(recipe, part), indices):
+        tokens = cp_gathered_tokens(recipe, i)  # this rank's keys that go out (all: times cp)
+        kv = tokens * z.kv_pair * z.compute + (tokens * 8 if recipe.data.document_masking else 0)
         per_step["all_gather"] += (mb + again) * kv
-        per_step[bwd_kind] += mb * grads
+        per_step[bwd_kind] += mb * tokens * p.cp * z.kv_pair * z.compute
         per_step["all_reduce"] += (2 * mb + again) * stats * moe
     return _kinds(**per_step)
+
+
+def cp_gathered_tokens(recipe, layer: int) -> int:
+    """Tokens of a microbatch whose keys and values this rank hands to cp's all-gather in
+    decoder layer `layer`: all it holds, or under a sliding window that fits in a zigzag chunk
+    only the last window - 1 of each of its two chunks (config.parallelism.window_tails)."""
+    t = recipe.training
+    tails = window_tails(recipe.model.layer_window(layer), t.sequence_length, recipe.parallelism.cp)
+    return t.micro_batch_size * 2 * tails if tails else sizes(recipe).tokens
 
 
 def ep_bytes(recipe, part: Part) -> dict[str, int]:

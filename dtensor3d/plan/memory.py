@@ -4,6 +4,7 @@ backward's extra under zbv / dualpipev, the pipeline's buffers and bubble. Pure 
 
 from __future__ import annotations
 
+from ..config.parallelism import window_tails
 from ..config.schema import V_SCHEDULES
 from .params import FP32, Part, Sizes, sizes, virtual_layers
 from .schedule_model import bubble_fraction as schedule_bubble
@@ -44,15 +45,29 @@ def moe_tokens(recipe) -> int:
     return -(-sizes(recipe).tokens // recipe.parallelism.tp)
 
 
-def layer_activation_bytes(recipe, moe: bool) -> int:
-    """Bytes autograd keeps for one decoder layer and one microbatch (no recompute)."""
+def kept_kv_bytes(recipe, layer: int | None = None) -> int:
+    """The keys and values a layer's attention keeps for backward, one microbatch: this rank's,
+    or under cp the gathered whole sequence's; under cp with a sliding window that fits in a
+    zigzag chunk (parallel/context.window_attention), each chunk's own and the window - 1 before
+    it."""
+    z, p, t = sizes(recipe), recipe.parallelism, recipe.training
+    if not p.cp_enabled:
+        return z.tokens * z.kv_pair * z.compute
+    tails = None if layer is None else window_tails(recipe.model.layer_window(layer), t.sequence_length, p.cp)
+    if not tails:
+        return z.kv_tokens * z.kv_pair * z.compute
+    return t.micro_batch_size * (z.tokens // t.micro_batch_size + 2 * tails) * z.kv_pair * z.compute
+
+
+def layer_activation_bytes(recipe, moe: bool, layer: int | None = None) -> int:
+    """Bytes autograd keeps for one decoder layer and one microbatch (no recompute); `layer`:
+    its index (a sliding window's keys under cp, `kept_kv_bytes`)."""
     z, m = sizes(recipe), recipe.model
     norms = 2 * 2 * z.seq_tokens * z.hidden * FP32  # two RMSNorms: input and normalised output
-    kv_tokens = z.kv_tokens if recipe.parallelism.cp_enabled else z.tokens
     attention = (
         _linear_inputs(z, 3)
         + 2 * z.tokens * z.q_width * z.compute  # rotated q, attention output (o_proj's input)
-        + kv_tokens * z.kv_pair * z.compute  # rotated (gathered) k and v
+        + kept_kv_bytes(recipe, layer)  # rotated (gathered) k and v
         + z.heads * z.tokens * FP32  # log-sum-exp
         + _latent_bytes(recipe, z)
     )
@@ -102,9 +117,8 @@ def layers_activation_bytes(recipe, layers) -> tuple[int, int]:
     activations; full keeps each layer's input and recomputes the rest; selective keeps the
     input and the matmul outputs and recomputes the rest."""
     p, z = recipe.parallelism, sizes(recipe)
-    n_moe = _moe_layers(recipe, layers)
-    kinds = [True] * n_moe + [False] * (len(layers) - n_moe)
-    full = [layer_activation_bytes(recipe, moe) for moe in kinds]
+    kinds = [_moe_layers(recipe, range(i, i + 1)) == 1 for i in layers]
+    full = [layer_activation_bytes(recipe, moe, i) for moe, i in zip(kinds, layers)]
     match p.recompute:
         case "full":
             return len(layers) * z.seq_tokens * z.hidden * FP32, max(full, default=0)
@@ -174,7 +188,7 @@ def weight_pass_bytes(recipe, layers, first: bool) -> int:
         # norms' normalised outputs, q/k/v's and o's inputs; gate/up's (an MoE's expert inputs: kept)
         r = 2 * z.seq_tokens * z.hidden * FP32 + _linear_inputs(z, 3) + z.tokens * z.q_width * z.compute
         r += 0 if moe else _linear_inputs(z, 2)
-        copies += _layer_param_tensors(recipe, i) * (layer_activation_bytes(recipe, moe) - r)
+        copies += _layer_param_tensors(recipe, i) * (layer_activation_bytes(recipe, moe, i) - r)
         released.append(r)
     return copies + max(released)
 

@@ -156,8 +156,16 @@ def tp_dim(name: str, cfg=None) -> int | None:
     return TP_LAYER.get(within)
 
 
+def attended_keys(cfg, seq_len: int) -> int:
+    """Keys a token's queries score, summed over the layers, as PaLM's estimate counts them: the
+    whole sequence in a full-attention layer, the window in a sliding-window one (a query sees its
+    last `window` positions only)."""
+    return sum(min(cfg.layer_window(i) or seq_len, seq_len) for i in range(cfg.num_hidden_layers))
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * non-embedding params + attention (PaLM's estimate)."""
+    """Training FLOPs per token: 6 * non-embedding params + attention (PaLM's estimate; a
+    sliding-window layer's attention over its window, `attended_keys`)."""
     h, L = cfg.hidden_size, cfg.num_hidden_layers
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     ffn = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h) * cfg.mlp_bias
@@ -174,4 +182,4 @@ def flops_per_token(cfg, seq_len: int) -> float:
         attention = sum(math.prod(s) for n, s in _mla_shapes(cfg).items() if "norm" not in n)
         scores = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     dense = L * attention + ffn_total + h * cfg.padded_vocab_size  # the head counts (its padding too), the lookup not
-    return 6 * dense + 6 * L * scores * seq_len
+    return 6 * dense + 6 * scores * attended_keys(cfg, seq_len)

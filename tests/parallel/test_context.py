@@ -208,7 +208,21 @@ def test_flash_kernel_checks_the_layout():
 
 def test_cp_attention_matches_single_device():
     out = torchrun(4, ["tests/dist_scripts/cp_attention.py"]).stdout
-    cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    cases, windows = [c for c in rows if "window" not in c], [c for c in rows if "window" in c]
+    # sliding windows: the tails-only gather where the window fits in a chunk, else the whole sequence
+    assert {(c["cp"], c["window"], c["tails"]) for c in windows} == {
+        (2, 3, 2),
+        (2, 5, 4),
+        (2, 9, 8),
+        (4, 3, 2),
+        (4, 5, 4),
+        (4, 9, None),
+    }
+    assert {c["packed"] for c in windows} == {False, True}
+    for c in windows:
+        for key in ("out", "dq", "dk", "dv"):
+            assert c[key] < 1e-5, c
     assert {(c["cp"], c["kv_heads"], c["v_dim"], c["kernel"]) for c in cases} == {
         (cp, kv, v_dim, kernel) for cp in (2, 4) for kv, v_dim in ((4, 8), (2, 8), (4, 6)) for kernel in KERNELS
     }

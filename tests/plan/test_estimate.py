@@ -378,3 +378,30 @@ def test_tied_embeddings_under_pp_count_a_copy_per_stage_and_their_all_reduce(en
         assert extra == (piece if engine == "1f1b" else 0)
     rows, base_rows = estimate(recipe)["stages"], estimate(untied)["stages"]
     assert [r["params"] for r in rows] == [r["params"] for r in base_rows]  # the head's place is the copy's
+
+
+def test_sliding_window_layers_count_their_window():
+    """FLOPs and kept activations of sliding-window layers, by hand. The parity model (4 layers,
+    8 heads of 8: q.k and p.v 2 x 64 wide, 32 tokens) with a window of 6 on layers 0-2, layer 3
+    full: attention FLOPs per token 6 x 128 x (3 x 6 + 32) against 6 x 128 x (4 x 32) without
+    the window. Under cp 2 (zigzag chunks of 8) a sliding layer keeps its two chunks' keys and
+    values and the 5 before each, (16 + 10) tokens x 64 (k and v, 4 kv heads of 8) x 4 B =
+    6,656 B, where a full layer keeps the whole gathered sequence, 32 x 64 x 4 = 8,192 B; cp
+    gathers only those tails: 10 of this rank's 16 tokens' k and v per sliding layer."""
+    from dtensor3d.plan.collectives import cp_gathered_tokens
+    from dtensor3d.plan.memory import kept_kv_bytes, layer_activation_bytes
+    from dtensor3d.plan.shapes import attended_keys, flops_per_token
+
+    types = "model.layer_types=[sliding_attention, sliding_attention, sliding_attention, full_attention]"
+    windowed, full = recipe("model.sliding_window=6", types), recipe()
+    assert attended_keys(windowed.model, 32) == 3 * 6 + 32 and attended_keys(full.model, 32) == 4 * 32
+    saved = flops_per_token(full.model, 32) - flops_per_token(windowed.model, 32)
+    assert saved == 6 * 128 * (4 * 32 - (3 * 6 + 32))
+    cp2 = recipe("model.sliding_window=6", types, "parallelism.cp=2")
+    assert [kept_kv_bytes(cp2, i) for i in range(4)] == [6_656] * 3 + [8_192]
+    assert layer_activation_bytes(cp2, False, 3) - layer_activation_bytes(cp2, False, 0) == 8_192 - 6_656
+    assert [cp_gathered_tokens(cp2, i) for i in range(4)] == [10] * 3 + [16]
+    # a window wider than a chunk (and no cp at all) keeps and gathers as full attention does
+    wide = recipe("model.sliding_window=12", "parallelism.cp=2")
+    assert kept_kv_bytes(wide, 0) == 8_192 and cp_gathered_tokens(wide, 0) == 16
+    assert kept_kv_bytes(windowed, 0) == kept_kv_bytes(full, 0) == 16 * 64 * 4 * 2
