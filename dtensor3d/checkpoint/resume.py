@@ -169,6 +169,9 @@ def resume(state, step_dir: str) -> None:
     load_params(state.model, SliceReader(step_dir, index["model"]))
     load_optimizer(state.optimizer, state.model, SliceReader(step_dir, index["optim"]))
     state.step = int(record["step"])
+    state.held_steps = int(record.get("held_steps", 0))  # training.skip_spikes (training/skip.py)
+    if state.spikes is not None:
+        state.spikes.load(record.get("spike_window"))
     if is_rank0():
         note_grown_steps(record, state.recipe)
         line = resize_line(record.get("recipe") or {}, state.recipe, os.environ.get(RESIZE_CAUSE))

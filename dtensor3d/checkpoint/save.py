@@ -95,11 +95,13 @@ def state_record(state) -> dict:
     r = state.recipe
     return {
         "step": state.step,
-        "next_lr": lr_at(state.step, r.optimizer, r.training.steps),
+        "next_lr": lr_at(state.step - state.held_steps, r.optimizer, r.training.steps),
         "data": data_position(r, state.step),
         "rng": rng_record(state.device),
         "mesh": r.parallelism.dims,
         "recipe": r.to_dict(),
+        "held_steps": state.held_steps,  # steps skipped with the lr schedule held (training/skip.py)
+        **({"spike_window": state.spikes.to_record()} if state.spikes is not None else {}),
     }
 
 

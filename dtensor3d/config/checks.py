@@ -12,6 +12,7 @@ from .low_precision import validate_low_precision
 from .families import FAMILIES, rope_problem
 from .moe_checks import validate_experts, validate_mla
 from .mtp_checks import validate_mtp
+from .stability_checks import validate_stability
 from .schema import POSITIVE, V_SCHEDULES, ModelConfig, OptimizerConfig, ParallelismConfig, Recipe
 
 
@@ -43,6 +44,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     _validate_rest(recipe)
     _validate_family(recipe)
     validate_mtp(recipe)
+    validate_stability(recipe)
     validate_low_precision(recipe)
 
 

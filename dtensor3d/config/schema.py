@@ -262,6 +262,17 @@ class TrainingConfig:
         "true | false} on the decoder blocks' linears (dims divisible by 16; embedding, head, router and experts "
         "stay bf16); fsdp_all_gather (tensorwise, dp shard): FSDP2 gathers float8 weights; null: off",
     )
+    z_loss: float = knob(
+        0.0,
+        "z-loss coefficient (PaLM, OLMo): adds z_loss * mean(logsumexp(logits)^2) over the counted targets to the "
+        "backpropagated loss, vocab-parallel under tp; logged as `z_loss` (`loss` stays the cross-entropy); 0: off",
+    )
+    skip_spikes: dict | None = knob(
+        None,
+        "skip a spiking step: {window: 100, sigma: 6.0}; once `window` steps were applied, a step whose loss or "
+        "grad norm is more than sigma standard deviations above the mean of the last `window` applied steps is "
+        "not applied (no optimizer step, the lr schedule held) and logged skipped; null: off",
+    )
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..parallel import context, data, expert, float8, pipeline, tensor, tied
 from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
-from . import balance, faults, hooks, mtp_loss, skip
+from . import balance, faults, hooks, mtp_loss, skip, zloss
 from .optim import build_optimizer, clip_, grad_sq_partial, replication
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
@@ -63,6 +63,9 @@ class TrainState:
     source_names: tuple[str, ...] = ()  # a data mixture: its sources, as batches index them
     load_streaks: dict[int, int] = field(default_factory=dict)  # MoE layer -> steps over the load warning
     mtp_parts: list = field(default_factory=list)  # MTP: the step's [main, CE_1..CE_D] rows (training/mtp_loss.py)
+    z_parts: list = field(default_factory=list)  # training.z_loss: each microbatch's z-loss (training/zloss.py)
+    spikes: skip.SpikeWindow | None = None  # training.skip_spikes: the applied steps' window (training/skip.py)
+    held_steps: int = 0  # steps skipped with the lr schedule held: the schedule reads step - held_steps
 
     @property
     def is_last_stage(self) -> bool:
@@ -107,6 +110,9 @@ def setup(recipe: Recipe) -> TrainState:
     t, p = recipe.training, recipe.parallelism
     loss_rows = [] if recipe.data.sources is not None or recipe.data.stages is not None else None
     loss_fn = make_loss_fn(t.global_batch_size * t.sequence_length, loss_rows)
+    z_parts: list = []  # training.z_loss: each microbatch's z-loss, taken off the logged loss (training/zloss.py)
+    if t.z_loss > 0:
+        loss_fn = zloss.with_z_loss(loss_fn, t.z_loss, t.global_batch_size * t.sequence_length, data.IGNORE, z_parts)
     mtp_parts: list = []  # model.num_nextn_predict_layers: each microbatch's [main, CE_1..CE_D] (training/mtp_loss.py)
     if recipe.model.num_nextn_predict_layers:
         loss_fn = mtp_loss.wrap_loss_fn(loss_fn, recipe.model, t.global_batch_size * t.sequence_length, mtp_parts)
@@ -117,7 +123,7 @@ def setup(recipe: Recipe) -> TrainState:
     share = [tied.norm_share(recipe, model.cfg, n) / replication(q, dist.get_world_size(), p.pp) for n, q in named]
     state = TrainState(recipe, mesh, device, coords, model, optimizer, schedule, loss_fn, params, share)
     state.tied_copies = tied.tied_grads(recipe, model, mesh)
-    state.mtp_parts = mtp_parts
+    state.mtp_parts, state.z_parts, state.spikes = mtp_parts, z_parts, skip.spike_window(recipe.training)
     if loss_rows is not None:  # the mixture's sources, in make_source's order (Mixture.names)
         state.loss_rows, state.source_names = loss_rows, tuple(s.name for _, s in unique_sources(recipe.data))
     checkpoint.load_at_start(state)  # resume (model, optimizer, step, RNG) or Hugging Face init
@@ -181,7 +187,9 @@ def train_step(
     state.optimizer.zero_grad(set_to_none=True)
     if state.loss_rows is not None:
         state.loss_rows.clear()  # validation's rows too, since the last step
-    loss_sum = renormalise(state, forward_backward(state, *mtp_loss.expand_batch(recipe, batch)), loss_tokens)
+    total = forward_backward(state, *mtp_loss.expand_batch(recipe, batch))
+    z_sum = zloss.take(state.z_parts, recipe.num_microbatches, state.device) * loss_scale(recipe, loss_tokens)
+    loss_sum = renormalise(state, total, loss_tokens) - z_sum  # `loss`: the cross-entropy (z_loss apart)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
     tied.sync_tied_grads(state.tied_copies)  # a tied embedding's copies on the first and last stage
@@ -192,10 +200,11 @@ def train_step(
     grad_sq = grad_sq_partial(state.params, state.norm_weights).to(state.device)
     moe = balance.step_stats(state.model, recipe, state.coords, state.device)
     per_source = per_source_sums(state, sources) * reports_loss
-    stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe, per_source.flatten()])
+    stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe, per_source.flatten(), z_sum.view(1)])
+    stats[-1] *= reports_loss
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
-    lr = lr_at(state.step, recipe.optimizer, recipe.training.steps)
+    lr = lr_at(state.step - state.held_steps, recipe.optimizer, recipe.training.steps)
     # A NaN/inf loss or norm is the same on every rank (all-reduced): all skip the update.
     bad = faults.nonfinite(state.model, state.coords["pp"], loss, grad_norm)
     reason = skip.reason_to_skip(state, loss_tokens, loss, grad_norm)  # the same on every rank (training/skip.py)
@@ -206,6 +215,8 @@ def train_step(
         state.optimizer.step()
         float8.precompute_scales(state.model, recipe)  # FSDP's float8 all-gather: next step's scales, one all-reduce
         balance.update_router_bias(state.model, recipe, stats[2 : 2 + len(moe)])
+        skip.applied(state, loss, grad_norm)  # training.skip_spikes: the window of applied steps
+    state.held_steps += reason in skip.HOLD_SCHEDULE
     state.step += 1
     metrics = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
     if bad is not None:
@@ -214,7 +225,9 @@ def train_step(
         skip.mark(metrics, reason)
     if recipe.model.num_local_experts:
         _moe_metrics(state, metrics, stats[2 : 2 + len(moe)])
-    metrics.update(source_metrics(stats[2 + len(moe) :].view(-1, 2), state.source_names))
+    metrics.update(source_metrics(stats[2 + len(moe) : -1].view(-1, 2), state.source_names))
+    if recipe.training.z_loss > 0:
+        metrics["z_loss"] = stats[-1].item()
     if recipe.model.num_nextn_predict_layers:
         metrics.update(mtp_loss.step_metrics(recipe, state.mtp_parts, reports_loss, loss_tokens, state.device))
     return metrics
@@ -262,13 +275,18 @@ def renormalise(state: TrainState, loss_sum: torch.Tensor, loss_tokens: int | No
     loss and the gradients by (all targets / counted targets), so both are normalised by the
     global count of counted targets (the same number at every mesh). Without a mask (or with
     every target counted) nothing is touched."""
-    t = state.recipe.training
-    full = t.global_batch_size * t.sequence_length
-    if loss_tokens is None or loss_tokens == full:
+    scale = loss_scale(state.recipe, loss_tokens)
+    if scale == 1.0:
         return loss_sum
-    scale = full / max(loss_tokens, 1)  # a batch with nothing to learn: loss 0, no gradient
     torch._foreach_mul_([local(q.grad) for q in state.params if q.grad is not None], scale)
     return loss_sum * scale
+
+
+def loss_scale(recipe, loss_tokens: int | None) -> float:
+    """renormalise's factor: all targets / counted targets (1.0 without a mask or with every
+    target counted; a batch with nothing to learn: loss 0, no gradient)."""
+    full = recipe.training.global_batch_size * recipe.training.sequence_length
+    return 1.0 if loss_tokens is None or loss_tokens == full else full / max(loss_tokens, 1)
 
 
 def rank_batch(state: TrainState, source, step: int) -> tuple:

@@ -435,6 +435,19 @@ CASES = [
         command="launch",
         overrides=("parallelism.cp=2", "parallelism.context_parallel_size=4"),
     ),
+    # -- the training-stability guards (issue 37: config/stability_checks.py)
+    Case("z-loss-negative", ("training.z_loss=-0.001", ">= 0"), edit={"training.z_loss": -0.001}),
+    Case(
+        "skip-spikes-window-1",
+        ("training.skip_spikes.window=1", ">= 2"),
+        overrides=("training.skip_spikes={window: 1, sigma: 6.0}",),
+    ),
+    Case("skip-spikes-sigma-0", ("training.skip_spikes.sigma=0", "> 0"), edit={"training.skip_spikes": {"sigma": 0}}),
+    Case(
+        "skip-spikes-unknown-key",
+        ("training.skip_spikes.windows", "window, sigma"),
+        edit={"training.skip_spikes": {"windows": 50}},
+    ),
 ]
 
 
