@@ -98,6 +98,8 @@ QUICK_FILES = {
     "test_hf_defaults.py",
     "test_vocab_padding.py",
     "test_mtp.py",
+    "test_float8.py",
+    "test_low_precision_door.py",
 }
 # Tests of those files that start ranks or train (slow all the same).
 SLOW_IN_QUICK_FILES = {
@@ -130,6 +132,7 @@ SLOW_IN_QUICK_FILES = {
     "test_padded_run_at_tp2_equals_the_unpadded_world_1_run",
     "test_mtp_dp2_matches_world_1",
     "test_mtp_ep2_matches_world_1",
+    "test_conversion_matches_torchao_alone_on_transformers",  # transformers and torchao's casts, ~20 s
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
 

@@ -1,0 +1,42 @@
+"""The door of training.float8 and optimizer.state_dtype (config/low_precision.py): each
+mistake is one error: line naming the key, the value and what is valid."""
+
+import pytest
+from helpers import PARITY, cli, one_error_line
+
+from dtensor3d.config.load import load_recipe
+from dtensor3d.errors import RecipeError
+
+BF16 = "training.dtype=bfloat16"
+
+
+@pytest.mark.parametrize(
+    "given, words",
+    [
+        (["training.float8={recipe: tensorwise}"], "training.float8 with training.dtype=float32"),
+        ([BF16, "training.float8={recipe: blockwise}"], "training.float8.recipe='blockwise'"),
+        ([BF16, "training.float8={recipe: rowwise, fsdp_all_gather: true}"], "recipe=rowwise with"),
+        ([BF16, "training.float8={recipes: rowwise}"], "training.float8.recipes: no such key"),
+        ([BF16, "training.float8={fsdp_all_gather: maybe}"], "fsdp_all_gather='maybe'"),
+        (
+            [BF16, "training.float8={recipe: tensorwise}", "parallelism.tp=2"]
+            + ["parallelism.tp_linear_async_communication=true"],
+            "training.float8 with parallelism.tp_linear_async_communication=true",
+        ),
+    ],
+)
+def test_float8_mistakes_are_refused(given, words):
+    with pytest.raises(RecipeError, match=None) as caught:
+        load_recipe(PARITY, given)
+    assert words in str(caught.value), str(caught.value)
+
+
+def test_float8_valid_values_pass():
+    for given in ("{recipe: tensorwise}", "{recipe: rowwise}", "{recipe: tensorwise, fsdp_all_gather: false}", "{}"):
+        recipe = load_recipe(PARITY, [BF16, f"training.float8={given}"])
+        assert recipe.training.float8 is not None
+
+
+def test_float8_without_bf16_is_one_error_line():
+    line = one_error_line(cli("validate", PARITY, "training.float8={recipe: rowwise}"))
+    assert "training.float8 with training.dtype=float32" in line and "bfloat16" in line, line
