@@ -87,8 +87,8 @@ def param_table(recipe) -> dict[str, dict]:
     out = {}
     for name, shape in param_shapes(m).items():
         layer = layer_of(name)
-        if layer is not None:
-            stage = next(i for i, r in enumerate(layers) if layer in r)
+        if layer is not None:  # an MTP module's (past the last layer): the last stage's
+            stage = next((i for i, r in enumerate(layers) if layer in r), len(layers) - 1)
         else:
             stage = 0 if name.startswith("model.embed_tokens") else len(layers) - 1
         unit = _unit_of(name)
@@ -97,9 +97,11 @@ def param_table(recipe) -> dict[str, dict]:
         row["grad"] = not name.endswith("e_score_correction_bias")  # the router's bias: moved, not trained
         row["float8"] = recipe.training.float8 is not None and float8_weight(name, tuple(shape))
         out[name] = row | {"shape": _local_shape(recipe, name, shape)}
-    if m.tie_word_embeddings and p.pp_enabled:  # the last stage's copy of the tied matrix (parallel/tied.py)
-        head = out["model.embed_tokens.weight"] | {"stage": stage_rank(p, len(layers) - 1), "pp_stage": len(layers) - 1}
-        out["lm_head.weight"] = head
+    if (m.tie_word_embeddings or m.num_nextn_predict_layers) and p.pp_enabled:
+        # the last stage's copy of the embedding (parallel/tied.py): the tied head's, or MTP's
+        # (model.mtp_embed_tokens: the tied head's parameter where both)
+        copy = out["model.embed_tokens.weight"] | {"stage": stage_rank(p, len(layers) - 1), "pp_stage": len(layers) - 1}
+        out["model.mtp_embed_tokens.weight" if m.num_nextn_predict_layers else "lm_head.weight"] = copy
     return out
 
 

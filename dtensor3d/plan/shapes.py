@@ -96,9 +96,28 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         out |= {f"model.layers.{i}.{name}": shape for name, shape in _layer_shapes(cfg, i).items()}
     out["model.norm.weight"] = (cfg.hidden_size,)
+    out |= _mtp_shapes(cfg)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.padded_vocab_size, cfg.hidden_size)
     return out
+
+
+def _mtp_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """The MTP modules' parameters (models/mtp.py): model.mtp.{N+k-1}, each a decoder layer of
+    index N+k-1 with enorm, hnorm, eh_proj [hidden, 2 hidden] and shared_head.norm after its own
+    (the embedding and the head are the main model's, not counted again)."""
+    h, n, out = cfg.hidden_size, cfg.num_hidden_layers, {}
+    extra = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,)}
+    for i in range(n, n + cfg.num_nextn_predict_layers):
+        out |= {f"model.mtp.{i}.{name}": shape for name, shape in (_layer_shapes(cfg, i) | extra).items()}
+    return out
+
+
+def mtp_copies(cfg) -> int:
+    """Parameters a DeepSeek-V3 checkpoint holds beyond the model's: each MTP layer's copies of
+    the embedding and the head (model.layers.{N+k-1}.embed_tokens / shared_head.head), which
+    dtensor3d shares with the main model (checkpoint/hf_names.py writes them on export)."""
+    return 2 * cfg.num_nextn_predict_layers * cfg.padded_vocab_size * cfg.hidden_size
 
 
 def weight_groups(cfg, index: int) -> int:
@@ -112,9 +131,10 @@ def weight_groups(cfg, index: int) -> int:
 
 
 def layer_of(name: str) -> int | None:
-    """The global decoder layer index of a parameter name (None: embedding, final norm, head)."""
+    """The global decoder layer index of a parameter name (None: embedding, final norm, head);
+    an MTP module's (model.mtp.{N+k-1}): N+k-1, past the last decoder layer."""
     parts = name.split(".")
-    return int(parts[2]) if name.startswith("model.layers.") else None
+    return int(parts[2]) if name.startswith(("model.layers.", "model.mtp.")) else None
 
 
 # The dim tp splits each weight on, by name within the model or within a decoder layer
@@ -122,7 +142,7 @@ def layer_of(name: str) -> int | None:
 # q/k/v/gate/up Colwise, o/down Rowwise). Everything else (norms, the router, experts, a
 # shared expert, a row-parallel bias, a per-head q/k norm) is whole on every tp rank; a
 # column-parallel bias is split like its rows.
-TP_OUTER = {"model.embed_tokens.weight": 0, "lm_head.weight": 0}
+TP_OUTER = {"model.embed_tokens.weight": 0, "lm_head.weight": 0, "model.mtp_embed_tokens.weight": 0}
 TP_LAYER = {
     "self_attn.q_proj.weight": 0,
     "self_attn.k_proj.weight": 0,
@@ -165,8 +185,10 @@ def attended_keys(cfg, seq_len: int) -> int:
 
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token: 6 * non-embedding params + attention (PaLM's estimate; a
-    sliding-window layer's attention over its window, `attended_keys`)."""
-    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    sliding-window layer's attention over its window, `attended_keys`). Each MTP module
+    (models/mtp.py) counts as one more layer plus its eh_proj and another pass of the head."""
+    h, D = cfg.hidden_size, cfg.num_nextn_predict_layers
+    L = cfg.num_hidden_layers + D  # the MTP blocks are layers N..N+D-1 (their own attention and feed-forward)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     ffn = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h) * cfg.mlp_bias
     if cfg.num_local_experts:  # MoE layers: top-k experts, the router and any shared expert per token
@@ -182,4 +204,6 @@ def flops_per_token(cfg, seq_len: int) -> float:
         attention = sum(math.prod(s) for n, s in _mla_shapes(cfg).items() if "norm" not in n)
         scores = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     dense = L * attention + ffn_total + h * cfg.padded_vocab_size  # the head counts (its padding too), the lookup not
-    return 6 * dense + 6 * scores * attended_keys(cfg, seq_len)
+    dense += D * (2 * h * h + h * cfg.padded_vocab_size)  # MTP: eh_proj and the shared head again
+    mtp_keys = sum(min(cfg.layer_window(i) or seq_len, seq_len) for i in range(cfg.num_hidden_layers, L))
+    return 6 * dense + 6 * scores * (attended_keys(cfg, seq_len) + mtp_keys)

@@ -24,10 +24,11 @@ RECIPES = {
     "qwen3_30b_a3b_plan": 30_532_122_624,
     "smollm2_135m_plan": 134_515_008,
     "smollm2_1_7b_plan": 1_711_376_384,
-    # DeepSeek-V3 without its multi-token prediction module (as transformers loads it): the
-    # paper's 671B. The Hugging Face checkpoint's 684.5B adds that module (13,463,426,304
-    # counted the same way: one MoE layer, eh_proj, its norms, embedding and head) and FP8 scales.
-    "deepseek_v3_671b_plan": 671_026_419_200,
+    # DeepSeek-V3 with its multi-token prediction module: the paper's 671B (671,026,419,200, the
+    # main model as transformers loads it) + the MTP layer's own 11,610,068,224 (one MoE layer,
+    # eh_proj, its norms); the Hugging Face checkpoint's 684.5B (README_WEIGHTS.md: 685B = 671B +
+    # 14B) also holds that layer's copies of the embedding and head (test_deepseek_v3_total_...).
+    "deepseek_v3_671b_plan": 682_636_487_424,
     # 36 x (attention 10,489,856 + MLP 67,633,152 + norms 4,096) + tied embedding 262,668,288 + final
     # norm 2,048: the model card's 3.08B
     "smollm3_3b_plan": 3_075_098_624,
@@ -40,6 +41,13 @@ RECIPES = {
     # 32 x (attention 37,748,736 + MLP 75,497,472 + norms 6,144) + embedding and head 197,001,216 +
     # final norm 3,072: the model card's 3.8B
     "phi3_mini_plan": 3_821_079_552,
+    # 24 x (attention 26,550,144 with its biases and 64 sinks + router 92,192 + 32 experts with biases
+    # 796,538,880 + norms 5,760) + embedding and head 1,158,266,880 + final norm 2,880: the model card's
+    # 20.9B (a meta-device GptOssForCausalLM at the release's config counts the same)
+    "gpt_oss_20b_plan": 20_914_757_184,
+    # 36 x (attention 26,550,144 + router 368,768 + 128 experts 3,186,155,520 + norms 5,760) + embedding
+    # and head 1,158,266,880 + final norm 2,880: the model card's 116.8B
+    "gpt_oss_120b_plan": 116_829_156_672,
     # Each total below also equals a meta-device transformers model at the released config
     # (AutoModelForCausalLM.from_config, parameters counted once), measured for issue 38.
     # 34 x (attention 15,729,152 + GeGLU 78,643,200 + four norms 10,240) + tied embedding (the
@@ -73,3 +81,15 @@ def test_family_recipe_plans(name, capsys, monkeypatch):
     stages = out["estimate"]["stages"]
     if recipe.parallelism.tp == 1 and recipe.parallelism.pp == 1:  # FSDP splits the whole model over dp
         assert stages[0]["params"] * recipe.parallelism.dp == RECIPES[name]
+
+
+def test_deepseek_v3_total_is_the_released_checkpoints():
+    """The 671B recipe's model plus the MTP layer's embedding and head copies the checkpoint
+    stores (shapes.mtp_copies) is the released 684,489,845,504 = 671,026,419,200 + 13,463,426,304
+    (DeepSeek-V3's README_WEIGHTS.md: 685B, 14B of them the MTP module)."""
+    from dtensor3d.plan.shapes import mtp_copies
+
+    cfg = load_recipe("recipes/deepseek_v3_671b_plan.yaml").model
+    assert cfg.num_nextn_predict_layers == 1
+    total = sum(math.prod(s) for s in param_shapes(cfg).values())
+    assert total + mtp_copies(cfg) == 671_026_419_200 + 13_463_426_304

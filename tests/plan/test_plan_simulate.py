@@ -83,6 +83,9 @@ def model_configs():
         ),
         "smollm3_nope": dataclasses.replace(dense, family="smollm3", nope_layers=(3,), sliding_window=8),
         "deepseek_v3": load_recipe(DEEPSEEK).model,  # multi-head latent attention, low-rank q
+        # multi-token prediction (models/mtp.py): MTP modules of the family's block kind
+        "deepseek_v3_mtp": dataclasses.replace(load_recipe(DEEPSEEK).model, num_nextn_predict_layers=1),
+        "dense_tied_mtp2": dataclasses.replace(dense, tie_word_embeddings=True, num_nextn_predict_layers=2),
         "deepseek_v3_full_q_bias": dataclasses.replace(
             load_recipe(DEEPSEEK).model, q_lora_rank=None, attention_bias=True
         ),
@@ -195,6 +198,20 @@ MESHES = {
     "pp2_zbv_dp2_fsdp_tied": (
         PARITY,
         ["parallelism.pp=2", "parallelism.pp_engine=zbv", "parallelism.dp=2", "model.tie_word_embeddings=true"],
+    ),
+    # multi-token prediction: its modules and its copy of the embedding on the last stage
+    "mtp_tp2_pp2_dp2": (
+        MOE,
+        ["model.num_nextn_predict_layers=1", "parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2"],
+    ),
+    "mtp2_pp2_zbv_tied": (
+        PARITY,
+        [
+            "model.num_nextn_predict_layers=2",
+            "parallelism.pp=2",
+            "parallelism.pp_engine=zbv",
+            "model.tie_word_embeddings=true",
+        ],
     ),
 }
 
