@@ -343,8 +343,9 @@ def check_layout(run_dir: Path, recipe) -> int:
 
 def _expected_comm(recipe, stage: int) -> dict[str, dict[str, int]]:
     from dtensor3d.plan.collectives import comm_bytes
+    from dtensor3d.plan.reshard import resolve_here
 
-    est = comm_bytes(recipe, backend="gloo")[stage]
+    est = comm_bytes(resolve_here(recipe)[0], backend="gloo")[stage]  # fsdp_reshard_after_forward auto, as the run
     return {d: {k: v for k, v in kinds.items() if k != "total" and v} for d, kinds in est.items()}
 
 

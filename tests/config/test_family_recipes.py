@@ -79,8 +79,8 @@ def test_family_recipe_plans(name, capsys, monkeypatch):
     recipe = load_recipe(path)
     assert out["world_size"] == recipe.parallelism.world_size
     stages = out["estimate"]["stages"]
-    if recipe.parallelism.tp == 1 and recipe.parallelism.pp == 1:  # FSDP splits the whole model over dp
-        assert stages[0]["params"] * recipe.parallelism.dp == RECIPES[name]
+    if recipe.parallelism.tp == 1 and recipe.parallelism.pp == 1:  # FSDP splits the whole model over ep x dp
+        assert stages[0]["params"] * recipe.parallelism.dp * recipe.parallelism.ep == RECIPES[name]
 
 
 def test_deepseek_v3_total_is_the_released_checkpoints():
