@@ -22,7 +22,7 @@ BF16 = 2
 def is_muon(name: str, shape) -> bool:
     """training/muon.is_muon_matrix on names and shapes: a decoder layer's matrix (or stack
     of expert matrices), not the router's gate."""
-    return name.startswith("model.layers.") and len(shape) >= 2 and not name.endswith(".gate.weight")
+    return name.startswith("model.layers.") and len(shape) >= 2 and not name.endswith((".gate.weight", "_bias"))
 
 
 def _holders(recipe, name: str, row: dict) -> tuple[int, int]:

@@ -25,7 +25,13 @@ ROUTER_GATE = ".gate.weight"  # a MoE layer's router (models/moe.py); the MLP's 
 
 def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
     """Item 1's rule: a trained matrix (or stack of expert matrices) inside a decoder layer."""
-    return name.startswith("model.layers.") and p.ndim >= 2 and p.requires_grad and not name.endswith(ROUTER_GATE)
+    # gpt-oss's stacked expert biases [E, width] are biases (AdamW), not matrices
+    return (
+        name.startswith("model.layers.")
+        and p.ndim >= 2
+        and p.requires_grad
+        and not name.endswith((ROUTER_GATE, "_bias"))
+    )
 
 
 def muon_shape(p: torch.Tensor) -> tuple[int, int]:
