@@ -61,11 +61,11 @@ def _family_fields(cfg, name: str) -> dict:
         out.update({key: getattr(cfg, key) for key in QWEN3_MOE_KEYS})
         out.update(num_experts=cfg.num_local_experts, mlp_only_layers=list(cfg.mlp_only_layers or ()))
         out.update(moe_intermediate_size=cfg.expert_intermediate_size, output_router_logits=False)
-    if name == "glm4_moe":  # DeepSeek-V3's routing keys; no multi-token prediction layers
+    if name == "glm4_moe":  # DeepSeek-V3's routing keys; its MTP layers laid out as DeepSeek-V3's (vLLM's glm4_moe_mtp)
         out.update({key: getattr(cfg, key) for key in DEEPSEEK_MOE_KEYS}, use_qk_norm=cfg.use_qk_norm)
         out.update(n_routed_experts=cfg.num_local_experts, moe_intermediate_size=cfg.expert_intermediate_size)
-        out.update(first_k_dense_replace=_dense_layers(cfg), num_nextn_predict_layers=0, output_router_logits=False)
-        out["num_mtp_layers"] = 0
+        out.update(first_k_dense_replace=_dense_layers(cfg), output_router_logits=False)
+        out["num_nextn_predict_layers"] = out["num_mtp_layers"] = cfg.num_nextn_predict_layers
     if name == "deepseek_v3":  # its MTP layers under model.layers.{N+k-1} (transformers ignores them)
         out.update({key: getattr(cfg, key) for key in (*MLA_DEFAULTS, *DEEPSEEK_MOE_KEYS)})
         out.update(n_routed_experts=cfg.num_local_experts, moe_intermediate_size=cfg.expert_intermediate_size)

@@ -221,10 +221,11 @@ def hf_model_values(hf: dict, where: str) -> dict:
     values["num_key_value_heads"] = kv_heads or values["num_attention_heads"]
     head_dim = hf.get("head_dim", defaults["head_dim"])
     if family.mla:  # every head has its own key and value; transformers' head_dim is the RoPE width.
-        # Its multi-token prediction layers are read (models/mtp.py); transformers ignores them.
         values.update({key: hf.get(key, default) for key, default in MLA_DEFAULTS.items()})
-        values["num_nextn_predict_layers"] = hf.get("num_nextn_predict_layers") or 0
         values["num_key_value_heads"], head_dim = values["num_attention_heads"], values["qk_rope_head_dim"]
+    if family.prediction_layers:  # DeepSeek-V3's and GLM-4.5's MTP layers are read (models/mtp.py); transformers
+        # ignores them (GLM's class calls the key num_mtp_layers, config.json num_nextn_predict_layers)
+        values["num_nextn_predict_layers"] = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
     rope_params = hf.get("rope_parameters") or {}
     partial = rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0 and not family.partial_rotary:

@@ -190,17 +190,52 @@ DSV3 = dict(
 )
 
 
-def _dsv3_dir(root, depth: int):
-    """transformers' DeepseekV3ForCausalLM, every weight perturbed, plus MTP tensors under the
-    released names (random, away from their init): the block of each depth is a
-    DeepseekV3DecoderLayer's own state dict. Returns (hf model, {k: (block, enorm, hnorm, eh, norm)})."""
+# GLM-4.5 (transformers' Glm4MoeForCausalLM): its MTP layers have DeepSeek-V3's layout
+# (vLLM's glm4_moe_mtp.py; transformers skips model.layers.{N}.*): RoPE on half of each head,
+# q/k/v biases, per-head q/k norms, sigmoid routing, layer 0 dense.
+GLM = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    use_qk_norm=True,
+    first_k_dense_replace=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+)
+
+
+def _classes(family: str):
     import transformers
-    from safetensors.torch import load_file, save_file
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer
+
+    if family == "glm4_moe":
+        return transformers.Glm4MoeConfig(**GLM), transformers.Glm4MoeForCausalLM, Glm4MoeDecoderLayer
+    return transformers.DeepseekV3Config(**DSV3), transformers.DeepseekV3ForCausalLM, DeepseekV3DecoderLayer
+
+
+def _dsv3_dir(root, depth: int, family: str = "deepseek_v3"):
+    """transformers' DeepseekV3ForCausalLM (or GLM-4.5's class), every weight perturbed, plus MTP
+    tensors under the released names (random, away from their init): the block of each depth is a
+    DeepseekV3DecoderLayer's own state dict. Returns (hf model, {k: (block, enorm, hnorm, eh, norm)})."""
+    from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(**DSV3, num_nextn_predict_layers=depth)
-    hf = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    cfg, model_cls, DeepseekV3DecoderLayer = _classes(family)
+    cfg.num_nextn_predict_layers = depth
+    hf = model_cls(cfg).float().eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -265,8 +300,8 @@ def _dsv3_reference(hf, mods, ids, targets, hidden: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_deepseek_v3_mtp_layers_against_transformers(tmp_path, depth):
+@pytest.mark.parametrize("depth,family", [(1, "deepseek_v3"), (2, "deepseek_v3"), (1, "glm4_moe")])
+def test_deepseek_v3_mtp_layers_against_transformers(tmp_path, depth, family):
     """import-hf of a DeepSeek-V3 directory with MTP layers: the main loss equals transformers'
     and each depth's loss the plain reference (<= 1e-6 relative); export-hf writes every tensor
     back under its name, the MTP layers' embedding/head copies (the main model's) included."""
@@ -275,7 +310,7 @@ def test_deepseek_v3_mtp_layers_against_transformers(tmp_path, depth):
     from dtensor3d.__main__ import main
     from dtensor3d.checkpoint import load_model
 
-    hf, mods = _dsv3_dir(tmp_path / "hf", depth)
+    hf, mods = _dsv3_dir(tmp_path / "hf", depth, family)
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0
     ours = load_model(tmp_path / "ck").train()
     assert ours.cfg.num_nextn_predict_layers == depth
