@@ -51,6 +51,11 @@ def validate_experts(m: ModelConfig) -> None:
             f"model.moe_layers={list(m.moe_layers)} must list layer indices in 0.."
             f"{m.num_hidden_layers - 1} of a model with experts (num_local_experts > 0)"
         )
+    if m.swiglu_limit is not None and not (m.num_local_experts and m.swiglu_limit > 0):
+        raise RecipeError(
+            f"model.swiglu_limit={m.swiglu_limit}: the clamped SwiGLU (gpt-oss) is the experts' and its limit is "
+            f"> 0; give a model with experts (num_local_experts={m.num_local_experts}) or null (plain SwiGLU)"
+        )
     if m.num_local_experts:
         validate_router(m)
 

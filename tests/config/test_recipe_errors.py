@@ -155,6 +155,11 @@ CASES = [
         edit={"model.family": "deepseek_v3", "model.num_key_value_heads": 4, "model.sliding_window": 8},
     ),
     Case(
+        "swiglu-limit-dense",
+        ("model.swiglu_limit=7.0", "num_local_experts=0", "null"),
+        edit={"model.family": "gpt_oss", "model.swiglu_limit": 7.0},
+    ),
+    Case(
         "mlp-bias-qwen2", ("model.mlp_bias", "'qwen2'", "llama"), edit={"model.family": "qwen2", "model.mlp_bias": True}
     ),
     # -- batch and sequence against dp / pp / cp / tp
@@ -895,6 +900,16 @@ RECIPE_DIR = REPO / "tests" / "recipes"
         ("parity", ["training.timeout_s=0"], ["training.timeout_s=0", "positive number of seconds"]),
         ("parity", ["checkpoint.preempt_timeout_s=-5"], ["checkpoint.preempt_timeout_s=-5", "seconds"]),
         ("parity", ["logging.profile_steps=[4, 2]"], ["logging.profile_steps=[4, 2]", "first <= last"]),
+        ("parity", ["eval.every=2"], ["eval.every=2 needs eval.tasks"]),
+        ("parity", ["eval.tasks=[arc_easy]"], ["eval.tasks=['arc_easy'] needs eval.every > 0"]),
+        (
+            "parity",
+            ["eval.tasks=[arc_easy]", "eval.every=2", "eval.include_path=/no/such/tasks"],
+            ["eval.include_path='/no/such/tasks'", "no such directory"],
+        ),
+        ("parity", ["eval.tasks=[arc_easy]", "eval.every=2", "parallelism.pp=2"], ["parallelism.pp=2", "valid pp: 1"]),
+        ("parity", ["logging.wandb={project: p, mode: cloud}"], ["logging.wandb.mode='cloud'", "online, offline"]),
+        ("parity", ["logging.wandb={projects: p}"], ["logging.wandb.projects", "project, entity, name, mode, tags"]),
         ("moe_parity", ["model.num_experts_per_tok=9"], ["num_experts_per_tok=9", "1..num_local_experts=8"]),
         ("moe_parity", ["model.router_aux_loss_coef=-1"], ["router_aux_loss_coef=-1", ">= 0"]),
         ("moe_parity", ["model.mlp_only_layers=[4]"], ["mlp_only_layers=[4]", "0..3"]),
