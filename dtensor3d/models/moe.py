@@ -129,7 +129,9 @@ class AddAuxLoss(torch.autograd.Function):
 class Router(nn.Module):
     """Scores every expert per token and picks top_k, as transformers' routers compute it.
 
-    softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3) scores; with `e_score_correction_bias`
+    softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3) scores, of logits with a `bias` where the
+    family has one (gpt-oss, whose softmax over the top-k logits is the softmax renormalised over
+    the top k: norm_topk_prob); with `e_score_correction_bias`
     (DeepSeek-V3; aux-loss-free balancing) the bias is added for the choice only; with n_group > 1
     a token may only pick experts in its topk_group best groups (a group's score: the sum of its
     top 2); weights are the chosen scores, renormalised (norm_topk_prob) and scaled
