@@ -37,23 +37,25 @@ def _family_fields(cfg, name: str) -> dict:
         out.update(hidden_activation=cfg.hidden_act, hidden_act=cfg.hidden_act)
         out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim)
         out.update(final_logit_softcapping=None, attn_logit_softcapping=None)
-    if family.layer_rope:  # OLMo 3, Gemma 3: the window on the sliding layers
+    if family.layer_rope or family.types_key:  # OLMo 3, Gemma 3, gpt-oss: the window on the sliding layers
         out["sliding_window"] = cfg.sliding_window
         out["layer_types"] = [
             ("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)
         ]
-    if family.types_key:  # gpt-oss: the window on the sliding layers, and its experts' keys
-        out["sliding_window"] = cfg.sliding_window
-        out["layer_types"] = [
-            ("full_attention" if cfg.layer_window(i) is None else "sliding_attention") for i in range(layers)
-        ]
-        out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS}, output_router_logits=False)
-        out.update(swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
     if family.nope:  # SmolLM3
         out["no_rope_layers"] = [int(cfg.layer_rope(i)) for i in range(layers)]
     # the class's special-token defaults where the vocabulary holds them (else its embedding refuses)
     tokens = _TOKEN_DEFAULTS.get(name, {})
     out.update({key: (t if t < cfg.vocab_size else None) for key, t in tokens.items()})
+    return out | _moe_fields(cfg, name)
+
+
+def _moe_fields(cfg, name: str) -> dict:
+    """The expert and router keys of a mixture-of-experts family's config class."""
+    out = {}
+    if name == "gpt_oss":  # Mixtral's keys, and its clamped SwiGLU's
+        out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS}, output_router_logits=False)
+        out.update(swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
     if name == "mixtral":
         out.update({key: getattr(cfg, key) for key in MIXTRAL_DEFAULTS})
         out.update(router_jitter_noise=0.0, output_router_logits=False)
