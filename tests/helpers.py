@@ -247,6 +247,7 @@ TP_DIM = {
     "mlp.up_proj.weight": 0,
     "mlp.down_proj.weight": 1,
     "model.embed_tokens.weight": 0,
+    "model.mtp_embed_tokens.weight": 0,  # MTP's copy of the embedding on a pipeline's last stage
     "lm_head.weight": 0,
     # column-parallel biases split with their rows; row-parallel ones (o, down) are replicated
     "self_attn.q_proj.bias": 0,
@@ -303,8 +304,13 @@ def expected_splits(name: str, p, whole_qk_norm: bool = False) -> dict[str, int 
     if p.tp > 1 and key is not None and not inside_moe:
         splits["tp"] = TP_DIM[key]
     latent_norm = name.endswith(("q_a_layernorm.weight", "kv_a_layernorm.weight"))  # MLA's: plain tensors
-    if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" and name.endswith("norm.weight") and not latent_norm:
-        splits["tp"] = None  # sequence parallelism: norms are tp DTensors, replicated
+    if (
+        p.tp > 1
+        and p.tp_mode == "REDUCE_SCATTER"
+        and name.endswith(("norm.weight", "eh_proj.weight"))
+        and not latent_norm
+    ):
+        splits["tp"] = None  # sequence parallelism: norms (and an MTP module's eh_proj) are tp DTensors, replicated
     if p.tp > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
         splits["tp"] = 0 if whole_qk_norm else None  # per-head norms: replicated tp DTensors at either tp mode
     return splits
@@ -324,6 +330,10 @@ def check_layout(run_dir: Path, recipe) -> int:
     full = {n: list(q.shape) for n, q in build_on_meta(cfg).named_parameters(remove_duplicate=False)}
     if cfg.tie_word_embeddings and p.pp == 1:
         del full["lm_head.weight"]  # one parameter; under pp the last stage holds its own copy
+    if cfg.num_nextn_predict_layers and p.pp > 1:  # MTP's copy of the embedding on the last stage
+        full["model.mtp_embed_tokens.weight"] = full["model.embed_tokens.weight"]
+        if cfg.tie_word_embeddings:
+            del full["lm_head.weight"]  # the tied head is that copy: one parameter there
     sizes, files = mesh_sizes(p), sorted((run_dir / "layout").glob("rank*.json"))
     assert len(files) == p.world_size, files
     for f in files:
@@ -343,9 +353,9 @@ def check_layout(run_dir: Path, recipe) -> int:
 
 def _expected_comm(recipe, stage: int) -> dict[str, dict[str, int]]:
     from dtensor3d.plan.collectives import comm_bytes
-    from dtensor3d.plan.reshard import resolve_here
+    from dtensor3d.plan.estimate import reshard_here
 
-    est = comm_bytes(resolve_here(recipe)[0], backend="gloo")[stage]  # fsdp_reshard_after_forward auto, as the run
+    est = comm_bytes(reshard_here(recipe)[0], backend="gloo")[stage]  # fsdp_reshard_after_forward auto, as the run
     return {d: {k: v for k, v in kinds.items() if k != "total" and v} for d, kinds in est.items()}
 
 

@@ -8,8 +8,9 @@ import math
 
 from ..errors import RecipeError
 from .data_sources import mixture_problem
-from .low_precision import validate_low_precision
+from .eval_checks import validate_eval, validate_wandb
 from .families import FAMILIES, rope_problem
+from .low_precision import validate_low_precision
 from .moe_checks import validate_experts, validate_mla
 from .mtp_checks import validate_mtp
 from .stability_checks import validate_stability
@@ -46,6 +47,8 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     validate_mtp(recipe)
     validate_stability(recipe)
     validate_low_precision(recipe)
+    validate_eval(recipe)
+    validate_wandb(recipe)
 
 
 def _validate_family(recipe: Recipe) -> None:
@@ -355,6 +358,8 @@ def _validate_faults(recipe: Recipe) -> None:
     for where, value in (("training.timeout_s", t.timeout_s), ("checkpoint.preempt_timeout_s", c.preempt_timeout_s)):
         if value <= 0:
             raise RecipeError(f"{where}={value:g} must be a positive number of seconds")
+    if not 0 < t.memory_fraction <= 1:
+        raise RecipeError(f"training.memory_fraction={t.memory_fraction:g} must be a share in (0, 1], e.g. 0.9")
 
 
 # torch.manual_seed takes 64 bits, but per-sample seeds are derived from it (seed * 1_000_003 + i

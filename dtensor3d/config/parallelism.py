@@ -56,11 +56,13 @@ class ParallelismConfig:
         "shard", "shard: FSDP2; replicate: DDP-style all-reduce; hybrid: HSDP (FSDP in groups of dp_shard)"
     )
     dp_shard: int = knob(0, "dp_mode hybrid: dp ranks per FSDP group (must divide dp); 0: unset")
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = knob(
-        "default",
+    fsdp_reshard_after_forward: Literal["auto", "default", "always", "never"] = knob(
+        "auto",
         "torchtitan's key: FSDP2 frees gathered parameters after each forward (always) or keeps them "
         "gathered for the whole step (never: one all-gather per step, the full parameters in memory); "
-        "default: always, never for a pipeline stage",
+        "default: always, never for a pipeline stage; auto: never with the largest fsdp_bucket_layers that fits, "
+        "where plan's peak memory for it is within training.memory_fraction of the device's (CPU: available RAM "
+        "/ local ranks), else default (plan/reshard.py; the run's first lines say the choice)",
     )
     fsdp_bucket_layers: int = knob(
         1,
@@ -143,7 +145,7 @@ class ParallelismConfig:
         """FSDP2 frees a unit's gathered parameters after each forward (and gathers them again
         for the backward); else they stay gathered for the whole step (a pipeline stage by
         default, any run with `fsdp_reshard_after_forward: never`)."""
-        if self.fsdp_reshard_after_forward == "default":
+        if self.fsdp_reshard_after_forward in ("default", "auto"):  # auto: before plan/reshard.py decides it
             return not self.pp_enabled
         return self.fsdp_reshard_after_forward == "always"
 

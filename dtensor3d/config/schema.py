@@ -1,4 +1,4 @@
-"""The recipe's schema: seven sections of frozen dataclasses, each field declared once
+"""The recipe's schema: eight sections of frozen dataclasses, each field declared once
 (type, default, bounds, aliases, doc: config/fields.py), and the named facts about the mesh.
 
 Loading (YAML + overrides) is config/load.py; the checks that need the whole recipe and the
@@ -256,6 +256,12 @@ class TrainingConfig:
     max_skipped_steps: int = knob(10, "on_nonfinite=skip: stop after this many consecutive skipped steps")
     timeout_s: float = knob(600.0, "seconds a collective (and the rendezvous of nodes) may take before the run ends")
     compile: bool = knob(False, "torch.compile each decoder block (parameter names unchanged)")
+    memory_fraction: float = knob(
+        0.9,
+        "the share of a device's memory (CPU: available RAM / local ranks) plan's peak may take where "
+        "parallelism.fsdp_reshard_after_forward is auto; at most 1",
+        positive=True,
+    )
     float8: dict | None = knob(
         None,
         "float8 matmuls through torchao (needs dtype: bfloat16): {recipe: tensorwise | rowwise, fsdp_all_gather: "
@@ -373,6 +379,24 @@ class LoggingConfig:
     )
     straggler_ratio: float = knob(0.0, "warn when a rank's step time stays above this x the ranks' median; 0: never")
     straggler_steps: int = knob(5, "...for this many consecutive steps", positive=True)
+    wandb: dict | None = knob(
+        None,
+        "Weights & Biases beside TensorBoard (the `wandb` extra): {project, entity, name, mode: online | offline, "
+        "tags}; rank 0 logs every metric, the resolved recipe as the run config and loss.svg at the end; a resumed "
+        "run continues the same W&B run (its id is in the checkpoint); null: off",
+    )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Downstream evaluation inside the loop: lm-evaluation-harness on the live model (harness/)."""
+
+    tasks: tuple[str, ...] | None = knob(None, "lm-eval task names to run every eval.every steps; null: none")
+    every: int = knob(0, "steps between downstream evaluations (and at the last step); 0: never")
+    limit: float | None = knob(None, "at most this many documents per task (a fraction if < 1); null: all")
+    include_path: str | None = knob(None, "a directory of extra task YAML files (local tasks)")
+    batch_size: int = knob(8, "requests per forward (loglikelihood)", positive=True)
+    num_fewshot: int | None = knob(None, "few-shot examples per prompt; null: the task's")
 
 
 @dataclass(frozen=True)
@@ -384,6 +408,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def num_microbatches(self) -> int:
@@ -413,6 +438,7 @@ _SECTION_CLASSES = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "eval": EvalConfig,
 }
 # Derived from the field declarations (config/fields.py): each field is declared once.
 TYPES = {name: field_types(cls) for name, cls in _SECTION_CLASSES.items()}

@@ -207,22 +207,18 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
         _add(per_step, _tp_replay(recipe, fwd, moe), again)
         _add(per_step, _async_weight_pass(recipe, moe), split)
     full_f, part_f = z.tokens * z.hidden * z.act, z.seq_tokens * z.hidden * z.act
-    if part.first:  # vocab-parallel embedding: its partial output is reduced
-        _add(
-            per_micro,
-            {"reduce_scatter": full_f, "all_gather": part_f} if p.sequence_parallel else {"all_reduce": full_f},
-        )
-    if part.last:  # column-parallel head; loss_parallel's reductions
-        _add(
-            per_micro,
-            {"all_gather": part_f, "reduce_scatter": full_f} if p.sequence_parallel else {"all_reduce": full_f},
-        )
-        _add(per_micro, {"all_reduce": 3 * z.tokens * FP32})
+    depth = recipe.model.num_nextn_predict_layers if part.last else 0  # MTP: each depth's embedding and head
+    embedding = {"reduce_scatter": full_f, "all_gather": part_f} if p.sequence_parallel else {"all_reduce": full_f}
+    _add(per_micro, embedding, part.first + depth)  # vocab-parallel embedding: its partial output is reduced
+    if part.last:  # column-parallel head; loss_parallel's reductions (the main head's, then each depth's)
+        head = {"all_gather": part_f, "reduce_scatter": full_f} if p.sequence_parallel else {"all_reduce": full_f}
+        _add(per_micro, head, 1 + depth)
+        _add(per_micro, {"all_reduce": 3 * z.tokens * FP32}, 1 + depth)
     _add(per_step, per_micro, recipe.num_microbatches)
     width = _norm_grad_width(recipe)
     if p.sequence_parallel:  # the norms' replicated weights: partial gradients summed once per step
-        norms = 2 * len(layers) + part.last
-        _add(per_step, {"all_reduce": norms * z.hidden * width})
+        norms = 2 * len(layers) + part.last + 3 * depth  # MTP: enorm, hnorm, shared_head.norm; and eh_proj
+        _add(per_step, {"all_reduce": (norms * z.hidden + depth * 2 * z.hidden * z.hidden) * width})
     if recipe.model.qk_norm and not recipe.model.qk_norm_whole:
         # per-head q/k norms see this rank's heads: their gradients summed too
         _add(per_step, {"all_reduce": 2 * len(layers) * recipe.model.head_dim * width})
@@ -342,7 +338,7 @@ def tied_bytes(recipe, part: Part, units: dict[str, dict]) -> dict[str, int]:
     embedding group, on the first- and the last-stage rank when they differ (none under a V
     schedule, where one rank holds both)."""
     p, m = recipe.parallelism, recipe.model
-    if not (m.tie_word_embeddings and p.pp_enabled) or part.first == part.last:
+    if not ((m.tie_word_embeddings or m.num_nextn_predict_layers) and p.pp_enabled) or part.first == part.last:
         return _kinds()
     shape = param_table(recipe)["model.embed_tokens.weight"]["shape"]
     group = units["root"]["group"] if p.fsdp_enabled else 1
@@ -353,16 +349,18 @@ def world_bytes(recipe) -> dict[str, int]:
     """The step's world all-reduce: loss, squared grad norm, aux loss, tokens per expert of
     each MoE layer; with balancing on, a second one of each MoE layer's bias [-min, max]."""
     m = recipe.model
-    n_moe = _moe_layers(recipe, range(m.num_hidden_layers))
+    depth = m.num_nextn_predict_layers  # MTP blocks route too; and the step's [main, CE_1..CE_D] (mtp_loss.py)
+    n_moe = _moe_layers(recipe, range(m.num_hidden_layers + depth))
     balance = 2 * n_moe * (m.router_bias_update_rate > 0)
-    return _kinds(all_reduce=(3 + n_moe * m.num_local_experts + balance) * FP32)
+    return _kinds(all_reduce=(3 + n_moe * m.num_local_experts + balance + (1 + depth) * (depth > 0)) * FP32)
 
 
 def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, int]]]:
     """Per pp rank: {dim: {kind: bytes, "total": bytes}} each rank with that pp coordinate
     hands to collectives in one steady-state step. backend: "gloo" or "nccl" (default: from
     training.device; cp's backward differs). This is the count tests compare with
-    tests/dist_scripts/comm_bytes.py."""
+    tests/dist_scripts/comm_bytes.py. `fsdp_reshard_after_forward: auto` counts as default here:
+    decide it first (estimate.reshard_here, as estimate() does)."""
     backend = backend or ("gloo" if recipe.training.device == "cpu" else "nccl")
     out = []
     for part, units in zip(rank_parts(recipe), stage_units(recipe)):

@@ -44,6 +44,7 @@ from .collectives import comm_bytes
 from .memory import bubble_fraction, in_flight, stage_activation_bytes
 from .muon_cost import muon_stage, optimizer_bytes
 from .params import COMM_DIMS, FP32, Part, rank_parts, stage_units, unit_numels
+from .reshard import resolve, resolve_here
 from .shapes import flops_per_token
 
 # -- memory and the whole estimate -------------------------------------------------------
@@ -121,9 +122,7 @@ def estimate(
     """The whole estimate (the JSON under `plan --json`'s key "estimate"); `fsdp_reshard_after_forward:
     auto` decided as this machine would (plan/reshard.py; resolve=False: taken as default)."""
     if resolve:
-        from .reshard import resolve_here
-
-        recipe, _ = resolve_here(recipe)
+        recipe, _ = reshard_here(recipe)
     p, t = recipe.parallelism, recipe.training
     comm = comm_bytes(recipe, backend)
     stages = []
@@ -146,3 +145,18 @@ def estimate(
             tokens_per_sec=t.global_batch_size * t.sequence_length / seconds,
         )
     return out
+
+
+def peak_bytes(recipe) -> int:
+    """The largest peak of any pp rank (`fsdp_reshard_after_forward` as the recipe says)."""
+    return max(s["peak_bytes"] for s in estimate(recipe, resolve=False)["stages"])
+
+
+def resolve_reshard(recipe, device_bytes: int | None):
+    """plan/reshard.py's `resolve` with this estimate's peak: (recipe with auto decided, its line)."""
+    return resolve(recipe, device_bytes, peak_bytes)
+
+
+def reshard_here(recipe):
+    """plan/reshard.py's `resolve_here` with this estimate's peak (on CPU: this machine's memory)."""
+    return resolve_here(recipe, peak_bytes)

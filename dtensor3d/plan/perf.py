@@ -30,10 +30,11 @@ import itertools
 import math
 
 from .collectives import comm_bytes
-from .estimate import estimate, flops_per_step
+from .estimate import estimate, flops_per_step, resolve_reshard
 from .memory import bubble_fraction
 from .params import rank_parts
 from .perf_compute import float8_on, optimizer_seconds, rank_seconds
+from .reshard import hardware_bytes
 
 LINK_EFF = 0.80  # share of a link's bandwidth NCCL's rings reach (nccl-tests bus bandwidth)
 # Share of tp's communication async TP hides behind the matmuls: the decomposed GEMMs and
@@ -191,10 +192,11 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
     """The whole prediction (`plan --json`'s key "performance"); `float8` stands in for
     training.float8 and `sac_matmuls` for a selective recompute policy that recomputes that
     share of the matmuls (published runs of other trainers, tests/plan/published_runs.yaml)."""
+    recipe, reshard = resolve_reshard(recipe, hardware_bytes(hw, recipe, nodes))  # fsdp_reshard_after_forward auto
     p, t = recipe.parallelism, recipe.training
     fp8 = float8_on(recipe) if float8 is None else float8
     world, hw_rank = p.world_size, per_rank_hardware(hw, recipe, nodes)
-    est = estimate(recipe)
+    est = estimate(recipe, resolve=False)
     comm = comm_seconds(recipe, hw_rank, nodes)
     rows = []
     for part, c, row in zip(rank_parts(recipe), comm, est["stages"]):
@@ -216,6 +218,7 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
         "nodes": nodes,
         "gpus_per_node": world // nodes,
         "float8": fp8,
+        "fsdp_reshard": reshard,
         "stages": rows,
         "bubble_fraction": bubble,
         "bubble_s": makespan - busy,

@@ -35,16 +35,24 @@ def peak_tflops(gpu: str | None, peak: float | None, mfu: float) -> float | None
 
 def plan_dict(recipe, world_size: int | None = None, peak: float | None = None, mfu: float = 0.4, perf=None) -> dict:
     """The JSON of `plan`; with `perf` = (Hardware, nodes) also "performance" (plan/perf.py)."""
-    from .estimate import estimate
+    from .estimate import estimate, reshard_here, resolve_reshard
+    from .reshard import hardware_bytes
 
+    recipe, line = resolve_reshard(recipe, hardware_bytes(perf[0], recipe, perf[1])) if perf else reshard_here(recipe)
     dims = recipe.parallelism.dims
     world = world_size if world_size is not None else recipe.parallelism.world_size
     out = {
         "world_size": world,
         "dims": dims,
         "groups": rank_groups(dims, recipe.parallelism.dp_shard or None),
-        "estimate": estimate(recipe, peak, mfu),
+        "estimate": estimate(recipe, peak, mfu, resolve=False),
     }
+    if line:
+        out["fsdp_reshard"] = {
+            "after_forward": recipe.parallelism.fsdp_reshard_after_forward,
+            "bucket_layers": recipe.parallelism.fsdp_bucket_layers,
+            "why": line,
+        }
     if perf is not None:
         from .perf import predict
 
@@ -132,6 +140,8 @@ def format_plan(recipe, as_json: bool, peak: float | None = None, mfu: float = 0
     if as_json:
         return json.dumps(plan)
     lines = _layout_lines(recipe, plan) + _estimate_lines(recipe, plan["estimate"])
+    if "fsdp_reshard" in plan:
+        lines.insert(2, plan["fsdp_reshard"]["why"])
     if "performance" in plan:
         from .perf_report import performance_lines
 

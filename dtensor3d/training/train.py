@@ -34,7 +34,9 @@ from ..parallel.compile import compile_seconds
 from ..parallel.parallelize import parallelize_stages
 from ..parallel.shards import init_weights, local, write_layout
 from . import balance, faults, hooks, mtp_loss, skip, zloss
+from .metrics import straggle
 from .optim import build_optimizer, clip_, grad_sq_partial, replication
+from .reshard_auto import decide_reshard
 
 if TYPE_CHECKING:  # imported only when pp > 1 builds a schedule (parallel/pipeline.py)
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -66,6 +68,7 @@ class TrainState:
     z_parts: list = field(default_factory=list)  # training.z_loss: each microbatch's z-loss (training/zloss.py)
     spikes: skip.SpikeWindow | None = None  # training.skip_spikes: the applied steps' window (training/skip.py)
     held_steps: int = 0  # steps skipped with the lr schedule held: the schedule reads step - held_steps
+    wandb_id: str | None = None  # logging.wandb: the W&B run's id (rank 0), kept in the checkpoint
 
     @property
     def is_last_stage(self) -> bool:
@@ -100,6 +103,7 @@ def make_loss_fn(global_tokens: int, rows: list[torch.Tensor] | None = None) -> 
 
 def setup(recipe: Recipe) -> TrainState:
     device = init_distributed(resolve_device(recipe.training.device), recipe.training.timeout_s)
+    recipe = decide_reshard(recipe, device)  # fsdp_reshard_after_forward auto: this device's memory decides
     torch.manual_seed(recipe.training.seed)
     mesh = build_mesh(recipe.parallelism, device.type)
     set_timeout(recipe.training.timeout_s)  # the mesh's groups too, for the rest of setup
@@ -317,7 +321,7 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
         batch = rank_batch(state, source, state.step)
         mixed = data.rank_sources(recipe, state.coords, source, state.step) if state.loss_rows is not None else None
         metrics = train_step(state, batch, data.loss_tokens(recipe, source, state.step), mixed)
-    seconds = time.perf_counter() - start
+    seconds = straggle(time.perf_counter() - start)  # DTENSOR3D_SLOW_RANK: a made straggler (tests)
     guard.check(metrics)
     for hook in found:
         hook.after_step(state, metrics, seconds)

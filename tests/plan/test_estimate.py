@@ -8,7 +8,7 @@ from helpers import PARITY, ROOT, torchrun
 
 from dtensor3d.config.load import load_recipe
 from dtensor3d.plan.collectives import comm_bytes
-from dtensor3d.plan.estimate import estimate
+from dtensor3d.plan.estimate import estimate, reshard_here
 from dtensor3d.plan.memory import bubble_fraction, in_flight
 from dtensor3d.plan.params import KINDS, param_table, shard_numel
 
@@ -91,6 +91,7 @@ def test_estimate_equals_measured(name):
     # ranks print concurrently: lines may run together, so decode from each "COMM " marker
     ranks = [json.JSONDecoder().raw_decode(piece)[0] for piece in out.split("COMM ")[1:]]
     assert len(ranks) == world
+    r = reshard_here(r)[0]  # fsdp_reshard_after_forward auto, decided as the run decides it
     comm, stages = comm_bytes(r, backend="gloo"), estimate(r, backend="gloo")["stages"]
     for rank in ranks:
         stage = rank["coords"]["pp"]

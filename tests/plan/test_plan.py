@@ -27,7 +27,9 @@ def test_plan_json_3d():
     p = plan("recipes/3d.yaml", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert set(out) == {"world_size", "dims", "groups", "estimate"}
+    assert set(out) == {"world_size", "dims", "groups", "estimate", "fsdp_reshard"}
+    # fsdp_reshard_after_forward auto: a tiny model fits this machine, never with each stage's 2 layers in one unit
+    assert out["fsdp_reshard"]["after_forward"] == "never" and out["fsdp_reshard"]["bucket_layers"] == 2
     assert out["world_size"] == 16
     assert out["dims"] == {"ep": 1, "pp": 2, "dp": 4, "cp": 1, "tp": 2}
     assert list(out["dims"]) == ["ep", "pp", "dp", "cp", "tp"]  # nanotron's order
