@@ -29,6 +29,21 @@ PP2 = ["parallelism.pp=2"]  # 4 layers, 4 microbatches of 2
 # pp 4: 8 layers (2 per stage under the multi-stage schedules) and 8 microbatches, for every schedule
 PP4 = ["parallelism.pp=4", "model.num_hidden_layers=8", "training.global_batch_size=16"]
 ENGINES = ("1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+
+
+def recipe_overrides(path: str) -> list[str]:
+    """A recipe's model, parallelism and training values as overrides of BENCH (its steps,
+    device and logging aside): `plan --hardware cpu-gloo`'s check runs recipes/3d.yaml so."""
+    import yaml
+
+    raw, out = yaml.safe_load(open(os.path.join(ROOT, path))), []
+    for section in ("model", "parallelism", "training"):
+        for key, value in raw.get(section, {}).items():
+            if key not in ("steps", "device", "seed"):
+                out.append(f"{section}.{key}={json.dumps(value) if isinstance(value, list) else value}")
+    return out
+
+
 VARIANTS = {  # name -> (ranks, overrides)
     "eager fp32": (1, []),
     "compile fp32": (1, ["training.compile=true"]),
@@ -40,6 +55,9 @@ VARIANTS = {  # name -> (ranks, overrides)
     "pp2 zbv": (2, [*PP2, "parallelism.pp_engine=zbv"]),
     "pp2 dualpipev": (2, [*PP2, "parallelism.pp_engine=dualpipev"]),
     **{f"pp4 {engine}": (4, [*PP4, f"parallelism.pp_engine={engine}"]) for engine in ENGINES},
+    "dp2": (2, ["parallelism.dp=2"]),
+    "tp2": (2, ["parallelism.tp=2"]),
+    "3d.yaml": (16, recipe_overrides("recipes/3d.yaml")),  # its own tiny model, 16 ranks on this machine
 }
 
 
@@ -171,6 +189,12 @@ def report(name: str, r: dict, recipe, device: str, peak: float | None) -> str:
         line += f"  idle per rank {idle} (bubble formula {bubble(recipe):.2f})"
     if "compile" in name:
         line += f"  (first step with compilation {r['first_step_s']:.0f} s)"
+    if device == "cpu":  # plan's performance model on this machine's entry (dtensor3d/plan/hardware.yaml)
+        from dtensor3d.plan.hardware import lookup
+        from dtensor3d.plan.perf import predict
+
+        planned = predict(recipe, lookup("cpu-gloo"), 1)["tokens_per_sec"]
+        line += f"  plan --hardware cpu-gloo {planned:,.0f} tok/s ({100 * (planned / tps - 1):+.0f}%)"
     return line
 
 
