@@ -242,6 +242,8 @@ def moe_grad_numel(recipe, part: Part) -> int:
     (parallel/expert.sum_tp_grads): its pieces of the routers, experts and shared experts
     (FSDP's chunk on rank 0 where FSDP shards them; the correction bias has no gradient)."""
     fsdp = recipe.parallelism.fsdp_enabled
+    if not recipe.model.num_local_experts:  # a dense model has none (and its table is not built per layer)
+        return 0
     return sum(
         shard_numel(row["shape"], row["group"] if fsdp else 1)
         for name, row in param_table(recipe).items()

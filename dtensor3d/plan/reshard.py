@@ -39,20 +39,22 @@ def _with(recipe, policy: str, bucket: int | None = None):
     return dataclasses.replace(recipe, parallelism=dataclasses.replace(p, **changes))
 
 
-def _largest_bucket(recipe, budget: float, _peak) -> tuple[int, int] | None:
+def _largest_bucket(recipe, budget: float, peak) -> tuple[int, int] | None:
     """(the largest fsdp_bucket_layers whose `never` peak is within budget, that peak), or None.
     The estimate's peak under `never` holds every unit gathered whatever their size, so the
     largest (a stage's layers in one unit) is tried first; else a search down to 1."""
     most = max(1, max(len(part.layers) for part in rank_parts(recipe)))
-    peak = _peak(_with(recipe, "never", most))
-    if peak <= budget:
-        return most, peak
+    top = peak(_with(recipe, "never", most))
+    if top <= budget:
+        return most, top
+    if most == 1 or peak(_with(recipe, "never", 1)) > budget:
+        return None
     lo, hi, best = 1, most - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        peak = _peak(_with(recipe, "never", mid))
-        if peak <= budget:
-            best, lo = (mid, peak), mid + 1
+        used = peak(_with(recipe, "never", mid))
+        if used <= budget:
+            best, lo = (mid, used), mid + 1
         else:
             hi = mid - 1
     return best
