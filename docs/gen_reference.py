@@ -41,6 +41,11 @@ METRICS = {
     "slowest_rank": ("always", "the rank whose step took step_ms_max"),
     "val_loss": ("`training.eval_every` steps", "the validation loss over `training.eval_batches`"),
     "val_ppl": ("`training.eval_every` steps", "exp(val_loss)"),
+    "eval/<name>/<name>": (
+        "`eval.every` steps (`eval.tasks`)",
+        "lm-evaluation-harness's metric of a task on the live model (`eval/<task>/<metric>`, e.g. "
+        "`eval/hellaswag/acc_norm`)",
+    ),
     "loss/main": (
         "`model.num_nextn_predict_layers` > 0",
         "the main model's loss; `loss/mtp_1` .. `loss/mtp_D` beside it are each MTP depth's (loss = main + "
@@ -84,7 +89,8 @@ def written_metric_keys() -> set[str]:
             return "".join(v.value if isinstance(v, ast.Constant) else "<name>" for v in node.values)
         return None
 
-    for path in sorted((ROOT / "dtensor3d" / "training").glob("*.py")):
+    live = ROOT / "dtensor3d" / "harness" / "live.py"  # in-loop downstream evaluation's eval/<task>/<metric>
+    for path in [*sorted((ROOT / "dtensor3d" / "training").glob("*.py")), live]:
         for node in ast.walk(ast.parse(path.read_text())):
             dicts = [node.value] if isinstance(node, ast.Return) and isinstance(node.value, ast.Dict) else []
             if isinstance(node, ast.Assign):

@@ -146,6 +146,9 @@ def _validate(args) -> None:
     recipe, nproc = check_node_range(load, auto, args.nnodes, args.nproc_per_node)
     check_machine(recipe, local_processes=nproc)
     from .datasets.door import check_data_at_door
+    from .harness import check_recipe_eval
+
+    check_recipe_eval(recipe)  # eval.tasks: lm-eval's task names, the data's tokenizer
 
     # The data first: refused data leaves nothing behind (the checkpoint check creates checkpoint.dir).
     check_data_at_door(recipe, hashes=True)  # data.path: files, sizes, sha256, ids against vocab_size
@@ -170,6 +173,9 @@ def _train(args) -> None:
     from .datasets.door import check_data_at_door
 
     check_data_at_door(recipe, hashes=False)  # sha256: by validate (launch.sh)
+    from .harness import check_recipe_eval
+
+    check_recipe_eval(recipe)  # eval.tasks: lm-eval's task names, the data's tokenizer
     if not _env_int("RANK"):  # rank 0, which takes the locks next: a run_dir in use creates no checkpoint.dir
         from .checkpoint.lock import check_run_dir_lock
 

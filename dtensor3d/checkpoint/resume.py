@@ -170,6 +170,7 @@ def resume(state, step_dir: str) -> None:
     load_optimizer(state.optimizer, state.model, SliceReader(step_dir, index["optim"]))
     state.step = int(record["step"])
     state.held_steps = int(record.get("held_steps", 0))  # training.skip_spikes (training/skip.py)
+    state.wandb_id = record.get("wandb_id")  # logging.wandb: the same W&B run goes on
     if state.spikes is not None:
         state.spikes.load(record.get("spike_window"))
     if is_rank0():

@@ -102,6 +102,7 @@ def state_record(state) -> dict:
         "recipe": r.to_dict(),
         "held_steps": state.held_steps,  # steps skipped with the lr schedule held (training/skip.py)
         **({"spike_window": state.spikes.to_record()} if state.spikes is not None else {}),
+        **({"wandb_id": state.wandb_id} if state.wandb_id else {}),  # logging.wandb: a resume continues the run
     }
 
 

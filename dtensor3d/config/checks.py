@@ -13,8 +13,8 @@ from .families import FAMILIES, rope_problem
 from .low_precision import validate_low_precision
 from .moe_checks import validate_experts, validate_mla
 from .mtp_checks import validate_mtp
-from .stability_checks import validate_stability
 from .schema import POSITIVE, V_SCHEDULES, ModelConfig, OptimizerConfig, ParallelismConfig, Recipe
+from .stability_checks import validate_stability
 
 
 def _divisors(n: int) -> str:

@@ -247,7 +247,7 @@ REVERSE = {field: path for path, (field, _) in DIRECT.items()} | {
 }
 
 
-RECIPE_SECTIONS = ("model", "parallelism", "training", "optimizer", "data", "checkpoint", "logging")
+RECIPE_SECTIONS = ("model", "parallelism", "training", "optimizer", "data", "checkpoint", "logging", "eval")
 
 
 def recipe_key(parts: list[str]) -> str | None:

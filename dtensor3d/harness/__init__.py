@@ -32,6 +32,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="requests per forward (loglikelihood)")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--output", help="write the harness's results JSON here")
+    p.add_argument("--tp", type=int, default=1, help="under torchrun: tensor-parallel size (dp = world / tp)")
 
 
 def check_eval_args(args):
@@ -44,6 +45,9 @@ def check_eval_args(args):
         raise DataError(f"eval: --include-path={args.include_path!r}: no such directory; give a folder of task YAMLs")
     if args.batch_size < 1 or (args.limit is not None and args.limit <= 0):
         raise RecipeError(f"eval: need --batch-size >= 1 and --limit > 0 (got {args.batch_size}, {args.limit})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp < 1 or world % args.tp:
+        raise RecipeError(f"eval: --tp={args.tp} must divide the world size {world} (dp = world / tp)")
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=args.include_path)
@@ -58,6 +62,35 @@ def check_eval_args(args):
     return tasks, manager
 
 
+def check_recipe_eval(recipe) -> None:
+    """The recipe's `eval` section at the door (config/eval_checks.py did the rest): every task
+    known to lm-eval (its index, and eval.include_path's), and a tokenizer.json with the data."""
+    if not recipe.eval.tasks:
+        return
+    from lm_eval.tasks import TaskManager
+
+    from ..generate import find_tokenizer
+    from .live import data_tokenizer_dir
+
+    e = recipe.eval
+    known = TaskManager(include_path=e.include_path).all_tasks
+    unknown = [t for t in e.tasks if t not in known]
+    if unknown:
+        where = f" or under eval.include_path={e.include_path!r}" if e.include_path else ""
+        raise RecipeError(
+            f"eval.tasks={list(e.tasks)}: unknown task {', '.join(unknown)}; give names lm-eval knows{where} "
+            "(`lm-eval ls tasks` lists them)"
+        )
+    path = data_tokenizer_dir(recipe)
+    try:
+        find_tokenizer(path, None)
+    except DataError:
+        raise DataError(
+            f"eval.tasks: the data {path!r} has no tokenizer.json in or beside it; the harness needs the data's "
+            "tokenizer (prepare-data writes one)"
+        ) from None
+
+
 def evaluate(lm, tasks, manager, limit=None, num_fewshot=None, log_samples=False) -> dict | None:
     """The harness on `lm` (a Dtensor3dLM): its results dict on rank 0, None on the others."""
     from lm_eval import simple_evaluate
@@ -70,24 +103,32 @@ def evaluate(lm, tasks, manager, limit=None, num_fewshot=None, log_samples=False
     )
 
 
-def _init_dist() -> None:
-    """Under torchrun (WORLD_SIZE > 1): one gloo group; every rank is a data-parallel rank that
-    holds the whole model and scores its share of the requests (the harness splits them)."""
-    import torch.distributed as dist
+def _model_class(args, tokenizer):
+    """One process: the whole model (LocalRunner). Under torchrun (WORLD_SIZE > 1): the model
+    sharded over a (dp = world / tp, tp) mesh, FSDP over dp; the dp ranks split the requests and
+    the tp ranks of each run them together, every forward in lockstep (live.MeshRunner)."""
+    import contextlib
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+    from .lm import Dtensor3dLM
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Dtensor3dLM(pretrained=args.ckpt, tokenizer=tokenizer, batch_size=args.batch_size)
+    from .live import MeshRunner, sharded_model
+
+    state = sharded_model(args.ckpt, args.tp)
+    runner = MeshRunner(state, contextlib.nullcontext)
+    length = state.recipe.model.max_position_embeddings
+    return Dtensor3dLM(runner=runner, tokenizer=tokenizer, batch_size=args.batch_size, max_length=length)
 
 
 def run_eval(args) -> None:
     from lm_eval.utils import handle_non_serializable, make_table
 
     tasks, manager = check_eval_args(args)
-    _init_dist()
-    from .lm import Dtensor3dLM, hf_tokenizer
+    from .lm import hf_tokenizer
 
     tokenizer = hf_tokenizer(args.ckpt)  # before the weights: a checkpoint without one says so at once
-    lm = Dtensor3dLM(pretrained=args.ckpt, tokenizer=tokenizer, batch_size=args.batch_size)
+    lm = _model_class(args, tokenizer)
     results = evaluate(lm, tasks, manager, args.limit, args.num_fewshot, log_samples=bool(args.output))
     import torch.distributed as dist
 

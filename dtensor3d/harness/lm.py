@@ -37,18 +37,19 @@ def hf_tokenizer(ckpt: str):
 class Dtensor3dLM(TemplateLM):
     """lm_eval's model interface on a dtensor3d single-device model (see the module docstring)."""
 
-    def __init__(self, pretrained=None, model=None, tokenizer=None, batch_size=8, max_length=None, **_):
+    def __init__(self, pretrained=None, model=None, tokenizer=None, batch_size=8, max_length=None, runner=None, **_):
         super().__init__()
-        if model is None:
+        if model is None and runner is None:
             from ..checkpoint.hf import model_from, model_source
 
             cfg, files = model_source(str(pretrained), "eval")
             model, max_length = model_from(cfg, files), max_length or cfg.max_position_embeddings
-        self.model, self.tokenizer = model, tokenizer or hf_tokenizer(str(pretrained))
+        self.runner = runner or LocalRunner(model)
+        self.model, self.tokenizer = self.runner.model, tokenizer or hf_tokenizer(str(pretrained))
         self.batch_size = int(batch_size)
-        self.max_length = int(max_length or model.cfg.max_position_embeddings)
+        self.max_length = int(max_length or self.model.cfg.max_position_embeddings)
         self.max_gen_toks = 256
-        self._rank, self._world_size = _dist_rank_world()
+        self._rank, self._world_size = self.runner.rank, self.runner.world_size
 
     @property
     def rank(self) -> int:
@@ -70,7 +71,7 @@ class Dtensor3dLM(TemplateLM):
         if self.world_size == 1:
             return tensor
         parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor)
+        dist.all_gather(parts, tensor, group=self.runner.group)
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
     def gather_object(self, obj, dst=0):
@@ -79,14 +80,14 @@ class Dtensor3dLM(TemplateLM):
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
+        dist.gather_object(obj, out, group=self.runner.group, group_dst=dst)
         return out
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.runner.group)
 
     @property
     def eot_token_id(self) -> int:
@@ -109,6 +110,11 @@ class Dtensor3dLM(TemplateLM):
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = super().loglikelihood(requests, disable_tqdm)
+        self.runner.drain()  # in the loop: the forwards of ranks with more requests
+        return out
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether it is the greedy one) per
         request, in the requests' order; longest first in batches of batch_size."""
@@ -127,14 +133,10 @@ class Dtensor3dLM(TemplateLM):
         import torch
         import torch.nn.functional as F
 
-        from ..generate import _drop_moe_records
-
         width = max(len(inp) for inp, _ in rows)
         pad = self.eot_token_id or 0
         ids = torch.tensor([inp + [pad] * (width - len(inp)) for inp, _ in rows])
-        with torch.no_grad():
-            logp = F.log_softmax(self.model(ids).float(), dim=-1)
-        _drop_moe_records(self.model)
+        logp = F.log_softmax(self.runner.logits(ids), dim=-1)
         results = []
         for k, (inp, cont) in enumerate(rows):
             span = logp[k, len(inp) - len(cont) : len(inp)]
@@ -165,13 +167,12 @@ class Dtensor3dLM(TemplateLM):
             start += n
             if self.cache_hook is not None:
                 self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), out[-1])
+        self.runner.drain()
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations (KV cache), cut at the first stop sequence (HFLM's rules)."""
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-
-        from ..generate import generate_ids
 
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         out = []
@@ -183,19 +184,63 @@ class Dtensor3dLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_new = kwargs.pop("max_gen_toks")
             prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_new)
-            tokens: list[int] = []
-            for token in generate_ids(self.model, prompt, max_new, temperature=0.0):
-                tokens.append(token)
-                if any(stop in self.tok_decode(tokens) for stop in until):
-                    break
+            tokens = self._greedy(prompt, max_new, until)
             text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
             out.append(text)
             if self.cache_hook is not None:
                 self.cache_hook.add_partial("generate_until", req.args, text)
+        self.runner.drain()
         return out
+
+    def _greedy(self, prompt: list[int], max_new: int, until: list[str]) -> list[int]:
+        """Greedy tokens after `prompt` up to the first stop string: with generate's KV cache, or
+        (the live model in the loop) a whole forward of the text so far per token."""
+        import torch
+
+        from ..generate import generate_ids
+
+        tokens: list[int] = []
+        steps = generate_ids(self.model, prompt, max_new, temperature=0.0) if self.runner.cached else None
+        for _ in range(max_new):
+            if steps is not None:
+                token = next(steps, None)
+                if token is None:
+                    break
+            else:
+                token = int(
+                    self.runner.logits(torch.tensor([prompt + tokens]))[0, len(prompt) + len(tokens) - 1].argmax()
+                )
+            tokens.append(token)
+            if any(stop in self.tok_decode(tokens) for stop in until):
+                break
+        return tokens
 
 
 register_model("dtensor3d")(Dtensor3dLM)
+
+
+class LocalRunner:
+    """The model whole in this process: the logits of a batch, and the harness's ranks as the
+    default group's (each rank scores its share of the requests)."""
+
+    cached = True  # generation with generate's KV cache
+
+    def __init__(self, model):
+        self.model, self.group = model, None
+        self.rank, self.world_size = _dist_rank_world()
+
+    def logits(self, ids):
+        import torch
+
+        from ..generate import _drop_moe_records
+
+        with torch.no_grad():
+            out = self.model(ids).float()
+        _drop_moe_records(self.model)
+        return out
+
+    def drain(self) -> None:
+        pass
 
 
 def _dist_rank_world() -> tuple[int, int]:

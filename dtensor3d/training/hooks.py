@@ -11,9 +11,9 @@ A hook implements any of (every method of `StepHook` is a no-op by default):
     close()                              always, last (also when the run stops early or fails)
 
 The hooks: the layout probe (logging.layout), profiling (logging.profile_steps), evaluation
-(training.eval_every), the metrics log, the skipped steps' warning (training/skip.py) and
-checkpointing (checkpoint.dir). Preemption and non-finite steps are faults (faults.Guard),
-which own no hook.
+(training.eval_every), downstream evaluation (eval.tasks, harness/live.py), the metrics log,
+the skipped steps' warning (training/skip.py) and checkpointing (checkpoint.dir). Preemption
+and non-finite steps are faults (faults.Guard), which own no hook.
 """
 
 from __future__ import annotations
@@ -104,13 +104,32 @@ class Evaluation(StepHook):
             metrics.update(validation_loss(state, source, self.compute_context(state)))
 
 
+class DownstreamEval(StepHook):
+    """eval.tasks every eval.every steps (and at the last): lm-evaluation-harness on the live
+    model on every rank (harness/live.py); rank 0's record gets `eval/<task>/<metric>`."""
+
+    def __init__(self, state, compute_context: Callable):
+        from ..harness.live import LiveEval, quiet_harness
+
+        quiet_harness()
+        self.live, self.compute_context = LiveEval(state.recipe), compute_context
+
+    def after_step(self, state, metrics: dict, seconds: float) -> None:
+        every, steps = state.recipe.eval.every, state.recipe.training.steps
+        if state.step % every == 0 or state.step == steps:
+            with faults.collective_guard(f"step {state.step} (eval)", state.recipe.training.timeout_s):
+                metrics.update(self.live.run(state, self.compute_context))
+
+
 class MetricsLogging(StepHook):
     """The step's record into metrics.jsonl (rank 0) every logging.every steps, at the last
     step and with a validation loss, with its throughput, MFU and peak memory."""
 
     def __init__(self, state):
         recipe, t = state.recipe, state.recipe.training
-        self.log = MetricsLog(recipe, enabled=is_rank0(), resume=state.step)
+        self.log = MetricsLog(recipe, enabled=is_rank0(), resume=state.step, wandb_id=state.wandb_id)
+        if self.log.wandb is not None:
+            state.wandb_id = self.log.wandb.id  # into every checkpoint's state.json
         self.tokens_per_step = t.global_batch_size * t.sequence_length
         self.flops_per_token = flops_per_token(recipe.model, t.sequence_length)
         given = recipe.logging.peak_tflops
@@ -124,7 +143,8 @@ class MetricsLogging(StepHook):
             if is_rank0():
                 print(line, flush=True)
         due = not state.step % recipe.logging.every or state.step == recipe.training.steps
-        if not due and "val_loss" not in metrics and not metrics.get("skipped"):  # a skipped step: always
+        evaluated = "val_loss" in metrics or any(key.startswith("eval/") for key in metrics)
+        if not due and not evaluated and not metrics.get("skipped"):  # a skipped step: always
             return
         tps, ranks = self.tokens_per_step / seconds, dist.get_world_size()
         utilisation = mfu(tps, self.flops_per_token, self.peak_flops, ranks)
@@ -191,7 +211,10 @@ class Checkpointing(StepHook):
 def hooks(state, compute_context: Callable) -> list[StepHook]:
     """This run's hooks, in the order the loop calls them: the layout first (right after the
     step), evaluation before the log (the record carries val_loss), checkpointing last."""
-    found: list[StepHook] = [LayoutProbe(), Profiling(state), Evaluation(compute_context), MetricsLogging(state)]
+    found: list[StepHook] = [LayoutProbe(), Profiling(state), Evaluation(compute_context)]
+    if state.recipe.eval.tasks:
+        found.append(DownstreamEval(state, compute_context))
+    found.append(MetricsLogging(state))
     found.append(SkipWarning())  # after the log: its line comes after the last step's
     if state.recipe.checkpoint.dir:
         found.append(Checkpointing(state))

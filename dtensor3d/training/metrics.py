@@ -45,6 +45,18 @@ def step_times(seconds: float, device: torch.device) -> list[float]:
     return [float(t) for t in parts]
 
 
+def straggle(seconds: float) -> float:
+    """DTENSOR3D_SLOW_RANK=R:F, a test hook for the straggler warning: rank R sleeps F x its
+    train step's time after each step (after the step's last collective, so the other ranks do
+    not wait inside theirs); returns the step's seconds with the sleep. Unset: `seconds`."""
+    spec = os.environ.get("DTENSOR3D_SLOW_RANK")
+    if not spec or int(spec.split(":")[0]) != int(os.environ.get("RANK", "0")):
+        return seconds
+    start = time.perf_counter()
+    time.sleep(float(spec.split(":")[1]) * seconds)
+    return seconds + time.perf_counter() - start
+
+
 class Stragglers:
     """logging.straggler_ratio / straggler_steps: a rank whose step takes more than ratio x the
     median of the ranks' for `steps` steps in a row gets one warning line (ratio 0: never)."""
@@ -90,6 +102,18 @@ TB_TAGS = {
     "aux_loss": "moe/aux_loss",
     "expert_load_max_over_mean": "moe/expert_load_max_over_mean",
 }
+
+
+def tb_scalars(record: dict) -> list[tuple[str, float]]:
+    """The record's (tag, value) pairs for TensorBoard and W&B: TB_TAGS, a mixture's `loss/<name>`,
+    downstream evaluation's `eval/<task>/<metric>` and the MoE layers' scalars."""
+    extra = {key: key for key in record if key.startswith(("loss/", "eval/"))}
+    out = []
+    for key, tag in {**TB_TAGS, **extra}.items():
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((tag, value))
+    return out + _layer_scalars(record)
 
 
 def _layer_scalars(record: dict) -> list[tuple[str, float]]:
@@ -169,10 +193,10 @@ class MetricsLog:
     the same way (purge_step). A fresh run into a run_dir holding metrics.jsonl keeps the
     earlier run's files under numbered names (`rotate_previous`)."""
 
-    def __init__(self, recipe: Recipe, enabled: bool, resume: int = 0):
+    def __init__(self, recipe: Recipe, enabled: bool, resume: int = 0, wandb_id: str | None = None):
         run_dir = recipe.logging.run_dir
         self.enabled, self.run_dir, self.records, self.earlier = enabled, run_dir, [], []
-        self.resume, self.start, self.writer = resume, time.perf_counter(), None
+        self.resume, self.start, self.writer, self.wandb = resume, time.perf_counter(), None, None
         self.total_steps, self.checkpoint_dir = recipe.training.steps, recipe.checkpoint.dir
         if not enabled:
             return
@@ -195,6 +219,10 @@ class MetricsLog:
             # purge_step: TensorBoard hides the earlier events at and after the resumed step.
             tb_dir = os.path.join(run_dir, "tensorboard")
             self.writer = SummaryWriter(tb_dir, purge_step=resume + 1 if resume else None, flush_secs=10)
+        if recipe.logging.wandb is not None:
+            from .wandb_log import WandbRun
+
+            self.wandb = WandbRun(recipe, wandb_id)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -202,14 +230,12 @@ class MetricsLog:
         self.records.append(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        scalars = tb_scalars(record)
         if self.writer is not None:
-            tags = {**TB_TAGS, **{key: key for key in record if key.startswith("loss/")}}  # a mixture's sources
-            for key, tag in tags.items():
-                value = record.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(tag, value, record["step"])
-            for tag, value in _layer_scalars(record):
+            for tag, value in scalars:
                 self.writer.add_scalar(tag, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, record["step"])
         elapsed, done = time.perf_counter() - self.start, record["step"] - self.resume
         eta = None
         if self.total_steps is not None and done > 0:
@@ -227,8 +253,15 @@ class MetricsLog:
         records = self.earlier + self.records
         points = [(r["step"], r["loss"]) for r in records if not r.get("skipped")]  # a skipped step's 0 is no loss
         val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        evals: dict[str, list] = {}
+        for r in records:
+            for key, value in r.items():
+                if key.startswith("eval/") and isinstance(value, (int, float)):
+                    evals.setdefault(key, []).append((r["step"], value))
         if points or val:
-            write_loss_svg(os.path.join(self.run_dir, "loss.svg"), points, val)
+            write_loss_svg(os.path.join(self.run_dir, "loss.svg"), points, val, eval_series=evals)
+        if self.wandb is not None:
+            self.wandb.finish(os.path.join(self.run_dir, "loss.svg"))
         if announce:
             self.done(checkpoint)
 
@@ -262,41 +295,59 @@ class MetricsLog:
         return path if name and os.path.isdir(path) else None
 
 
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
 def write_loss_svg(
     path: str,
     points: list[tuple[int, float]],
     val_points: list[tuple[int, float]] = (),
     width: int = 640,
     height: int = 360,
+    eval_series: dict[str, list[tuple[int, float]]] | None = None,
 ) -> None:
-    """A dependency-free line chart of loss (and val_loss, when given) against step."""
-    pad = 48
-    every = list(points) + list(val_points)
-    xs, ys = [p[0] for p in every], [p[1] for p in every]
-    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
-    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-9)
-    sx = lambda x: pad + (x - x0) / (x1 - x0) * (width - 2 * pad)  # noqa: E731
-    sy = lambda y: height - pad - (y - y0) / (y1 - y0) * (height - 2 * pad)  # noqa: E731
-    line = lambda pts: " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)  # noqa: E731
-    curves = f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{line(points)}"/>'
-    legend = f'<text x="{width - pad}" y="{pad - 20}" text-anchor="end" fill="#1f77b4">loss</text>'
-    if val_points:
-        curves += f'\n<polyline fill="none" stroke="#d62728" stroke-width="2" points="{line(val_points)}"/>'
-        legend += f'\n<text x="{width - pad}" y="{pad - 6}" text-anchor="end" fill="#d62728">val_loss</text>'
-    svg = f"""<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" \
+    """A dependency-free line chart of loss (and val_loss, when given) against step; with
+    `eval_series` (in-loop downstream metrics, `eval/<task>/<metric>`), a second panel of them below."""
+    curves = [("loss", points)] + ([("val_loss", list(val_points))] if val_points else [])
+    body = _chart(curves, width, height, 0, "loss")
+    total = height
+    if eval_series:
+        body += "\n" + _chart(sorted(eval_series.items()), width, height, height, "eval")
+        total += height
+    svg = f"""<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{total}" \
 font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>
-<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>
-<text x="{width / 2}" y="{height - 12}" text-anchor="middle">step</text>
-<text x="14" y="{height / 2}" transform="rotate(-90 14 {height / 2})" text-anchor="middle">loss</text>
-<text x="{pad - 4}" y="{pad + 4}" text-anchor="end">{y1:.3f}</text>
-<text x="{pad - 4}" y="{height - pad}" text-anchor="end">{y0:.3f}</text>
-<text x="{pad}" y="{height - pad + 16}" text-anchor="middle">{x0}</text>
-<text x="{width - pad}" y="{height - pad + 16}" text-anchor="middle">{x1}</text>
-{curves}
-{legend}
+{body}
 </svg>
 """
     with open(path, "w") as f:
         f.write(svg)
+
+
+def _chart(curves: list[tuple[str, list]], width: int, height: int, top: int, label: str) -> str:
+    """One panel (axes, curves, legend) whose top edge is at y = top."""
+    pad = 48
+    every = [p for _, pts in curves for p in pts]
+    xs, ys = [p[0] for p in every], [p[1] for p in every]
+    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-9)
+    sx = lambda x: pad + (x - x0) / (x1 - x0) * (width - 2 * pad)  # noqa: E731
+    sy = lambda y: top + height - pad - (y - y0) / (y1 - y0) * (height - 2 * pad)  # noqa: E731
+    out = [
+        f'<line x1="{pad}" y1="{top + height - pad}" x2="{width - pad}" y2="{top + height - pad}" stroke="black"/>',
+        f'<line x1="{pad}" y1="{top + pad}" x2="{pad}" y2="{top + height - pad}" stroke="black"/>',
+        f'<text x="{width / 2}" y="{top + height - 12}" text-anchor="middle">step</text>',
+        f'<text x="14" y="{top + height / 2}" transform="rotate(-90 14 {top + height / 2})" '
+        f'text-anchor="middle">{label}</text>',
+        f'<text x="{pad - 4}" y="{top + pad + 4}" text-anchor="end">{y1:.3f}</text>',
+        f'<text x="{pad - 4}" y="{top + height - pad}" text-anchor="end">{y0:.3f}</text>',
+        f'<text x="{pad}" y="{top + height - pad + 16}" text-anchor="middle">{x0}</text>',
+        f'<text x="{width - pad}" y="{top + height - pad + 16}" text-anchor="middle">{x1}</text>',
+    ]
+    for k, (name, pts) in enumerate(curves):
+        color, line = COLORS[k % len(COLORS)], " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{line}"/>')
+        out.append(
+            f'<text x="{width - pad}" y="{top + pad - 20 + 14 * k}" text-anchor="end" fill="{color}">{name}</text>'
+        )
+    return "\n".join(out)

@@ -135,21 +135,23 @@ def test_eval_door_errors(checkpoint, tmp_path, capsys, case, needle):
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
 
 
-def test_dp2_under_torchrun_equals_world_1(checkpoint):
-    """Two ranks split the requests (the harness's rank/world_size) and rank 0 gathers: the same
-    per-request answers and metrics as one process (in this one)."""
+def test_dp2_tp2_under_torchrun_equals_hflm(checkpoint):
+    """4 ranks, `--tp 2`: the model sharded over dp 2 (FSDP) x tp 2 (every forward in lockstep),
+    the dp ranks splitting the requests and rank 0 gathering: every loglikelihood equal to lm-eval's
+    own HFLM on the export within 1e-5, every greedy generation and accuracy identical."""
     from helpers import torchrun
+    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     from dtensor3d.harness import evaluate
-    from dtensor3d.harness.lm import Dtensor3dLM
 
-    out = checkpoint / "dp2.json"
+    out = checkpoint / "dp2_tp2.json"
     args = ["-m", "dtensor3d", "eval", str(checkpoint / "ck"), "--tasks", ",".join(TASKS), "--batch-size", "8"]
-    torchrun(2, [*args, "--include-path", TASKS_DIR, "--limit", "6", "--output", str(out)])
-    lm = Dtensor3dLM(pretrained=str(checkpoint / "ck"), batch_size=8)
-    one = evaluate(lm, TASKS, TaskManager(include_path=TASKS_DIR), limit=6, log_samples=True)
-    requests, worst, metric_worst = _compare(json.loads(out.read_text()), one)  # batches differ: sums reordered
+    torchrun(4, [*args, "--tp", "2", "--include-path", TASKS_DIR, "--limit", "6", "--output", str(out)])
+    hf = HFLM(pretrained=str(checkpoint / "export"), dtype="float32", batch_size=8, device="cpu")
+    theirs = evaluate(hf, TASKS, TaskManager(include_path=TASKS_DIR), limit=6, log_samples=True)
+    requests, worst, metric_worst = _compare(json.loads(out.read_text()), theirs)
+    print(f"\ndp2 x tp2: {requests} requests, max rel loglikelihood error {worst:.2e}, metrics {metric_worst:.2e}")
     assert requests == 6 * 4 + 6 + 6 and worst <= 1e-5 and metric_worst <= 1e-5, (requests, worst, metric_worst)
 
 
@@ -171,3 +173,33 @@ def test_smollm2_equals_hflm_on_the_export(smollm2, tmp_path):
     ours, theirs = (evaluate(lm, TASKS, TaskManager(include_path=TASKS_DIR), limit=4, log_samples=True) for lm in lms)
     requests, worst, metric_worst = _compare(ours, theirs)
     assert requests == 4 * 4 + 4 + 4 and worst <= 1e-5 and metric_worst <= 1e-5, (requests, worst, metric_worst)
+
+
+def test_moe_family_equals_hflm_on_the_export(tmp_path):
+    """A tiny random Qwen3-MoE (top-2 of 4 experts, one dense layer) from transformers' config
+    class, through import-hf and export-hf: every loglikelihood of the local tasks within 1e-5 of
+    HFLM on the export, every greedy generation and accuracy identical."""
+    from lm_eval.models.huggingface import HFLM
+
+    from dtensor3d.harness.lm import Dtensor3dLM
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=40, mlp_only_layers=[1], tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # logits far apart: no near-ties for argmax
+    hf.save_pretrained(tmp_path / "hf")
+    byte_tokenizer().save(str(tmp_path / "tok.json"))
+    write_hf_tokenizer(str(tmp_path / "tok.json"), str(tmp_path / "hf"))
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0
+    assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "export")]) == 0
+    ours, _ = _run(Dtensor3dLM(pretrained=str(tmp_path / "ck"), batch_size=4))
+    theirs, _ = _run(HFLM(pretrained=str(tmp_path / "export"), dtype="float32", batch_size=4, device="cpu"))
+    requests, worst, metric_worst = _compare(ours, theirs)
+    print(f"\nqwen3_moe: {requests} requests, max rel loglikelihood error {worst:.2e}, metrics {metric_worst:.2e}")
+    assert requests == LIMIT * 4 + LIMIT + LIMIT and worst <= 1e-5 and metric_worst <= 1e-5, (worst, metric_worst)

@@ -132,11 +132,19 @@ def test_resumed_training_continues_the_tensorboard_curve(tmp_path):
     assert proc.stdout.splitlines()[-1].endswith(f"last checkpoint {ckpt / 'step_00000005'}")
 
 
-def test_profile_steps_trace_holds_the_steps_matmuls_and_collectives(tmp_path):
+def test_profile_steps_trace_holds_the_steps_matmuls_and_collectives(tmp_path, monkeypatch):
     """tp=2 x dp=1 on 2 ranks, steps 2..3 of 4 profiled: each rank's Chrome trace holds two
-    train_step spans, matmuls and collectives (through `train`, the real loop)."""
+    train_step spans, matmuls and collectives (through `train`, the real loop). The same run
+    makes rank 1 a straggler (DTENSOR3D_SLOW_RANK: it sleeps 8x its step's time after each
+    step): the records name it the slowest and one warning line names it."""
     overrides = ["training.steps=4", "model.num_hidden_layers=1", "parallelism.tp=2", "logging.profile_steps=[2, 3]"]
-    torchrun(2, ["-m", "dtensor3d", "train", PARITY, f"logging.run_dir={tmp_path}", *overrides])
+    overrides += ["logging.straggler_ratio=1.5", "logging.straggler_steps=3"]
+    monkeypatch.setenv("DTENSOR3D_SLOW_RANK", "1:8")
+    proc = torchrun(2, ["-m", "dtensor3d", "train", PARITY, f"logging.run_dir={tmp_path}", *overrides])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["slowest_rank"] for r in records] == [1, 1, 1, 1], records
+    warnings = [line for line in proc.stdout.splitlines() if "is a straggler" in line]
+    assert len(warnings) == 1 and "step 3: rank 1 is a straggler" in warnings[0], proc.stdout[-3000:]
     for rank in (0, 1):
         events = json.loads((tmp_path / "profile" / f"trace_rank{rank}.json").read_text())["traceEvents"]
         names = [e.get("name", "") for e in events]

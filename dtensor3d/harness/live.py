@@ -1,0 +1,175 @@
+"""Downstream evaluation inside the training loop (the recipe's `eval` section): the harness on
+the live model, every eval.every steps, on every rank of the mesh, with no checkpoint.
+
+The harness's ranks are the data-parallel ranks (the `dp_cp` view: cp is 1 here): each scores
+its share of the requests, and the tp ranks of one dp rank run the same requests through the
+model together (the same inputs, the logits gathered off the vocabulary shards). FSDP's
+gathers and tp's collectives need every rank in every forward, so the forwards go in lockstep:
+before each one the ranks agree (one all-reduce of one number) whether any still has work, and
+a rank whose share is done runs a one-row forward while another's is not (MeshRunner.drain).
+Generation recomputes the whole text per token (no KV cache on the sharded model).
+
+Training goes on as if nothing ran: the RNG states (the harness seeds python, numpy and torch)
+are saved and put back, the model returns to train mode, and the MoE routing records of the
+eval forwards are dropped. The data state is a pure function of the step (untouched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..mesh import mesh_axis
+
+
+class MeshRunner:
+    """The live model's forward for the harness, in lockstep over the world (see the module docstring)."""
+
+    cached = False  # generation: a whole forward per token
+
+    def __init__(self, state, compute_context):
+        view = mesh_axis(state.mesh, "dp_cp")
+        self.model, self.device, self.compute_context = state.model, state.device, compute_context
+        self.group, self.rank, self.world_size = view.get_group(), view.get_local_rank(), view.size()
+        self.divisor = state.recipe.parallelism.tp  # sequence parallelism: a length tp divides
+
+    def _agree(self, busy: bool) -> bool:
+        flag = torch.tensor([float(busy)], device=self.device)
+        dist.all_reduce(flag)
+        return flag.item() > 0
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        from ..generate import _drop_moe_records
+
+        width = ids.shape[1]
+        ids = F.pad(ids, (0, -width % self.divisor))  # right padding: a causal model's real positions see none
+        with torch.no_grad(), self.compute_context():
+            out = self.model(ids.to(self.device))
+        if isinstance(out, DTensor):  # tp: the logits sharded on the vocabulary
+            out = out.full_tensor()
+        _drop_moe_records(self.model)
+        return out[:, :width].float().cpu()
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        self._agree(True)
+        return self._forward(ids)
+
+    def drain(self) -> None:
+        """Run one-row forwards while another rank still has requests of this kind."""
+        while self._agree(False):
+            self._forward(torch.zeros(1, self.divisor, dtype=torch.long))
+
+
+def data_tokenizer_dir(recipe) -> str:
+    """The prepared directory whose tokenizer.json the harness uses: data.path, or the first source's."""
+    d = recipe.data
+    if d.path:
+        return d.path
+    sources = d.sources or d.stages[0].sources
+    return sources[0].path
+
+
+@contextlib.contextmanager
+def training_untouched(model):
+    """Around an evaluation: the RNG states put back, the model back in its mode."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def flat_metrics(results: dict | None) -> dict:
+    """The harness's results as `eval/<task>/<metric>` numbers (a filter other than `none`
+    joins the name: `exact_match_strict-match`; standard errors, N/A and the harness's own
+    counts such as sample_len left out)."""
+    out = {}
+    for task, values in ((results or {}).get("results") or {}).items():
+        for key, value in values.items():
+            metric, _, filt = key.partition(",")
+            if not filt or "_stderr" in metric or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            name = metric if filt in ("", "none") else f"{metric}_{filt}"
+            out[f"eval/{task}/{name}"] = float(value)
+    return out
+
+
+class LiveEval:
+    """The harness on the live model: one per run (the task index is built once)."""
+
+    def __init__(self, recipe):
+        from lm_eval.tasks import TaskManager
+
+        from .lm import hf_tokenizer
+
+        e = recipe.eval
+        self.tasks, self.manager = list(e.tasks), TaskManager(include_path=e.include_path)
+        self.tokenizer = hf_tokenizer(data_tokenizer_dir(recipe))
+
+    def run(self, state, compute_context) -> dict:
+        """Every rank calls this; rank 0 gets `eval/<task>/<metric>`, the others {}."""
+        from . import evaluate
+        from .lm import Dtensor3dLM
+
+        e = state.recipe.eval
+        with training_untouched(state.model):
+            runner = MeshRunner(state, lambda: compute_context(state))
+            lm = Dtensor3dLM(
+                runner=runner,
+                tokenizer=self.tokenizer,
+                batch_size=e.batch_size,
+                max_length=state.recipe.model.max_position_embeddings,
+            )
+            results = evaluate(lm, self.tasks, self.manager, e.limit, e.num_fewshot)
+        return flat_metrics(results) if dist.get_rank() == 0 else {}
+
+
+def quiet_harness() -> None:
+    """lm-eval's per-task INFO lines off inside a training run's log (warnings stay)."""
+    import logging
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+
+
+def sharded_model(ckpt: str, tp: int):
+    """The `eval` command under torchrun: CKPT's model parallelized over a (dp, tp) mesh of the
+    world (dp = world / tp, FSDP over dp), each rank reading only its slices; returns what
+    MeshRunner reads (mesh, model, device, recipe)."""
+    import types
+
+    from ..checkpoint.hf import load_params, model_source
+    from ..config.load import recipe_from_dict
+    from ..config.schema import Recipe
+    from ..mesh import build_mesh, init_distributed, mesh_coords
+    from ..models import materialize
+    from ..parallel.parallelize import parallelize
+
+    cfg, files = model_source(ckpt, "eval")
+    device = init_distributed("cuda" if torch.cuda.is_available() else "cpu")
+    world = dist.get_world_size()
+    seq = max(tp, min(64, cfg.max_position_embeddings) // tp * tp)
+    training = {"device": device.type, "global_batch_size": world // tp, "micro_batch_size": 1, "sequence_length": seq}
+    raw = {"model": Recipe(model=cfg).to_dict()["model"], "parallelism": {"dp": world // tp, "tp": tp}}
+    recipe = recipe_from_dict({**raw, "training": training})
+    mesh = build_mesh(recipe.parallelism, device.type)
+    model = materialize(parallelize(recipe, mesh, mesh_coords(mesh), device), device)
+    with files:
+        load_params(model, files)
+    return types.SimpleNamespace(mesh=mesh, model=model.eval(), device=device, recipe=recipe)
