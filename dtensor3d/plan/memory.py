@@ -134,8 +134,9 @@ def virtual_stage_bytes(recipe, layers: range, first: bool, last: bool) -> tuple
     kept, once = layers_activation_bytes(recipe, layers)
     if first:
         kept += z.tokens * 8  # the embedding keeps its int64 indices
-    if last:  # final norm, the head's input, log-probabilities and their gradient
-        kept += 2 * z.seq_tokens * z.hidden * FP32 + _linear_inputs(z, 1) + 2 * z.tokens * z.vocab * FP32
+    if last:  # final norm, the head's input, log-probabilities and their gradient (and each MTP depth's)
+        heads = 1 + recipe.model.num_nextn_predict_layers
+        kept += heads * (2 * z.seq_tokens * z.hidden * FP32 + _linear_inputs(z, 1) + 2 * z.tokens * z.vocab * FP32)
     elif p.pp_enabled:  # the stage's output, which the schedule keeps for the microbatch's backward
         kept += z.seq_tokens * z.hidden * FP32
     return kept, once
@@ -228,8 +229,8 @@ def pipeline_buffer_bytes(recipe, part: Part) -> int:
         return 0
     residual, last = z.seq_tokens * z.hidden * FP32, p.pp_stages - 1
     held = sum(m * residual * ((s > 0) + (s < last)) for s in part.stages)
-    if part.last:
-        held += m * z.tokens * z.vocab * z.compute
+    if part.last:  # the logits of the main head and of each MTP depth
+        held += m * z.tokens * z.vocab * z.compute * (1 + recipe.model.num_nextn_predict_layers)
     return held
 
 

@@ -69,6 +69,8 @@ class Part:
 def rank_parts(recipe) -> list[Part]:
     """One Part per pp rank (interleaved_1f1b: stages r, r + pp, ...; zbv, dualpipev: r and 2 pp - 1 - r)."""
     p, layers = recipe.parallelism, virtual_layers(recipe)
+    # the MTP blocks (models/mtp.py: layers N..N+D-1, one more decoder block each) on the last stage
+    layers[-1] = range(layers[-1].start, layers[-1].stop + recipe.model.num_nextn_predict_layers)
     parts = []
     for rank in range(p.pp):
         stages = tuple(rank_stages(p, rank))
