@@ -296,8 +296,8 @@ class OptimizerConfig:
     eps: float = knob(1e-8, "AdamW's epsilon")
     state_dtype: Literal["float32", "bfloat16", "8bit"] = knob(
         "float32",
-        "AdamW's moments: float32; bfloat16 (both moments in bf16, the update rounded stochastically: torchao's "
-        "_AdamW bf16_stochastic_round); 8bit (torchao's AdamW8bit, block-wise quantised with per-block scales)",
+        "AdamW's moments: float32 (the only value built so far; bfloat16 and 8bit, torchao's low-precision "
+        "AdamW states, are refused at the door until they are)",
     )
     clip_grad: float = knob(1.0, "clip the global gradient norm to this; 0: no clipping")
     warmup_steps: int = knob(0, "linear warmup steps to lr")

@@ -40,3 +40,9 @@ def test_float8_valid_values_pass():
 def test_float8_without_bf16_is_one_error_line():
     line = one_error_line(cli("validate", PARITY, "training.float8={recipe: rowwise}"))
     assert "training.float8 with training.dtype=float32" in line and "bfloat16" in line, line
+
+
+@pytest.mark.parametrize("value", ["bfloat16", "8bit"])
+def test_low_precision_states_are_refused_until_built(value):
+    with pytest.raises(RecipeError, match=f"optimizer.state_dtype={value}: not implemented yet; valid: float32"):
+        load_recipe(PARITY, [f"optimizer.state_dtype={value}"])

@@ -1,0 +1,103 @@
+"""Low precision against bf16 on real text (issue 41): the README's text model
+(recipes/text.yaml) on Python's standard library, world 1, the same seed and batches:
+bf16 / float8 tensorwise / float8 rowwise (training.float8), and AdamW's state in fp32 / bf16 /
+8 bits (optimizer.state_dtype) where the recipe accepts it. Prints a table (first-step loss
+relative to bf16's, mean |delta loss| over the last 50 steps as a fraction of bf16's loss, the
+last loss, seconds per step) and writes one loss.svg overlay of every curve.
+
+    python bench/low_precision.py --steps 200 --svg docs/assets/low_precision_loss.svg
+
+--data DIR: a prepared directory (prepare-data; README's stdlib recipe); without it, one is
+prepared from the standard library's top-level modules (a 4096-token BPE trained on them)."""
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import ROOT  # noqa: E402
+
+RUNS = {
+    "bf16": [],
+    "float8 tensorwise": ["training.float8={recipe: tensorwise}"],
+    "float8 rowwise": ["training.float8={recipe: rowwise}"],
+    "bf16 state": ["optimizer.state_dtype=bfloat16"],
+    "8bit state": ["optimizer.state_dtype=8bit"],
+}
+
+
+def prepare(folder: str) -> str:
+    """The standard library's top-level .py files, prepared with a 4096-token BPE."""
+    out = os.path.join(folder, "stdlib")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    args = ["prepare-data", os.path.join(stdlib, "*.py"), "--out", out, "--train-tokenizer", "4096"]
+    subprocess.run([sys.executable, "-m", "dtensor3d", *args, "--val-fraction", "0.01"], check=True, cwd=ROOT)
+    return out
+
+
+def train(name: str, extra: list[str], data: str, steps: int, folder: str, shape: list[str]) -> tuple[list, float]:
+    """(the [step, loss] pairs, seconds per step) of one world-1 run."""
+    run_dir = os.path.join(folder, name.replace(" ", "_"))
+    given = [f"training.steps={steps}", "parallelism.dp=1", "training.dtype=bfloat16", "training.device=cpu"]
+    given += [f"data.path={data}", "checkpoint.dir=null", f"logging.run_dir={run_dir}", "logging.every=1"]
+    given += ["training.eval_every=0", *shape, *extra]
+    start = time.perf_counter()
+    command = [sys.executable, "-m", "dtensor3d", "train", "recipes/text.yaml", *given]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        print(f"{name}: not run ({proc.stderr.strip().splitlines()[-1]})")
+        return [], 0.0
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in x]
+    return [(r["step"], r["loss"]) for r in rows], (time.perf_counter() - start) / steps
+
+
+def compare(curves: dict, seconds: dict, base: str = "bf16") -> list[str]:
+    """The table's rows against `base`."""
+    ref = [loss for _, loss in curves[base]]
+    tail = min(50, len(ref))
+    rows = ["| run | step-1 loss | vs bf16, rel | mean abs delta, last 50 steps / loss | last loss | s / step |"]
+    rows.append("|---|---|---|---|---|---|")
+    for name, pts in curves.items():
+        if not pts:
+            continue
+        losses = [loss for _, loss in pts]
+        first = abs(losses[0] - ref[0]) / ref[0]
+        mean = sum(abs(a - b) for a, b in zip(losses[-tail:], ref[-tail:])) / tail
+        frac = mean / (sum(ref[-tail:]) / tail)
+        rows.append(f"| {name} | {losses[0]:.4f} | {first:.1e} | {frac:.2%} | {losses[-1]:.4f} | {seconds[name]:.2f} |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--svg", default=None, help="where to write the loss overlay (default: beside the runs)")
+    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated names of RUNS")
+    ap.add_argument("--shape", nargs="*", default=[], help="more overrides for every run (e.g. a shorter sequence)")
+    args = ap.parse_args()
+    folder = tempfile.mkdtemp(prefix="low-precision-")
+    data = args.data or prepare(folder)
+    curves, seconds = {}, {}
+    for name in args.runs.split(","):
+        curves[name], seconds[name] = train(name, RUNS[name], data, args.steps, folder, args.shape)
+        print(f"{name}: {len(curves[name])} steps, {seconds[name]:.2f} s/step", flush=True)
+    print("\n".join(compare(curves, seconds)))
+    from dtensor3d.training.metrics import _chart
+
+    chart = _chart([(n, pts) for n, pts in curves.items() if pts], 720, 400, 0, "loss")
+    svg = args.svg or os.path.join(folder, "loss.svg")
+    with open(svg, "w") as f:
+        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="720" height="400" font-family="sans-serif" '
+                f'font-size="12">\n<rect width="100%" height="100%" fill="white"/>\n{chart}\n</svg>\n')  # fmt: skip
+    print(f"loss overlay: {svg}; runs in {folder} ({len(glob.glob(folder + '/*/metrics.jsonl'))} runs)")
+
+
+if __name__ == "__main__":
+    main()
