@@ -54,10 +54,11 @@ def sweep(data: str, steps: int) -> dict[str, list[dict]]:
     common = [f"data.path={data}", f"training.steps={steps}", "training.eval_every=20", "parallelism.dp=1"]
     common += ["logging.every=1", "optimizer.warmup_steps=10"]
     runs = {}
-    for lr in ADAMW_LRS:
-        runs[f"adamw lr {lr:g}"] = train(1, [*common, f"optimizer.lr={lr}"])
-    for lr in MUON_LRS:
-        runs[f"muon muon_lr {lr:g}"] = train(1, [*common, "optimizer.name=muon", f"optimizer.muon_lr={lr}"])
+    jobs = [(f"adamw lr {lr:g}", [f"optimizer.lr={lr}"]) for lr in ADAMW_LRS]
+    jobs += [(f"muon muon_lr {lr:g}", ["optimizer.name=muon", f"optimizer.muon_lr={lr}"]) for lr in MUON_LRS]
+    for name, extra in jobs:
+        runs[name] = train(1, [*common, *extra])
+        print(f"| {name} | " + " | ".join(f"@{s} {v:.3f}" for s, v in val(runs[name])) + " |", flush=True)
     return runs
 
 
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--data")
     args = ap.parse_args()
     data = args.data or prepare(os.path.join(tempfile.mkdtemp(prefix="bench-stdlib-"), "stdlib"))
+    print("each run's validation loss as it finishes:", flush=True)
     runs = sweep(data, args.steps)
     evals = [s for s, _ in val(next(iter(runs.values())))]
     print("| run | " + " | ".join(f"val @{s}" for s in evals) + " |")
@@ -112,7 +114,7 @@ def main() -> None:
         reach = next((s for s, v in val(runs[n]) if v <= target), None)
         print(f"| {k} | {n} | {val(runs[n])[-1][1]:.3f} | {reach if reach is not None else 'not reached'} |")
     print("\n| mesh | AdamW step | Muon step | ratio |\n|---|---|---|---|")
-    print("\n".join(overhead(data)))
+    print("\n".join(overhead(data)), flush=True)
     print(
         "\n| mesh | Muon matrices | sent per rank per step (mean) | owner's bf16 matrices (mean) |\n|---|---|---|---|"
     )
