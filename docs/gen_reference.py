@@ -24,7 +24,12 @@ METRICS = {
     "step": ("always", "the step just taken, counted from 1"),
     "loss": (
         "always",
-        "the training loss of the whole global batch (mean over counted tokens), the same at every mesh",
+        "the training loss of the whole global batch (mean over counted tokens), the same at every mesh; the "
+        "cross-entropy, without the z-loss",
+    ),
+    "z_loss": (
+        "`training.z_loss` > 0",
+        "z_loss x mean(logsumexp(logits)^2) over the counted tokens, added to the backpropagated loss",
     ),
     "grad_norm": ("always", "the global gradient norm before clipping"),
     "lr": ("always", "the learning rate this step used"),
@@ -61,7 +66,10 @@ METRICS = {
     "router_bias_range": ("router bias balancing", "each MoE layer's correction bias [min, max]"),
     "nonfinite": ("a NaN or inf step", "what was not finite: the loss, or the first parameter whose gradient was"),
     "skipped": ("a skipped step", "true: no optimizer step was taken"),
-    "skip_reason": ("a skipped step", "why the step was skipped"),
+    "skip_reason": (
+        "a skipped step",
+        "why the step was skipped: no counted tokens, or (`training.skip_spikes`) a loss spike or a grad-norm spike",
+    ),
     "skipped_steps": ("`training.on_nonfinite: skip`", "non-finite steps skipped so far"),
 }
 

@@ -69,7 +69,7 @@ class SpikeWindow:
 
     def to_record(self) -> dict:
         """The checkpoint's piece (state.json's `spike_window`, checkpoint/save.py)."""
-        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms)}
+        return dict(losses=list(self.losses), grad_norms=list(self.grad_norms))  # not a metrics record
 
     def load(self, saved: dict | None) -> None:
         """A resumed run's window (checkpoint/resume.py); a window of another length keeps the newest."""
