@@ -113,6 +113,11 @@ def _wandb_records(path: Path):
             yield record
 
 
+def _key(item) -> str:
+    """An item's name: `key`, or its `nested_key` (W&B writes a name with '/' there)."""
+    return item.key or "/".join(item.nested_key)
+
+
 def test_wandb_offline_history_config_files_and_resume(runs):
     root, first, _, resumed = runs
     files = sorted((root / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -123,9 +128,9 @@ def test_wandb_offline_history_config_files_and_resume(runs):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 ids.add(record.run.run_id)
-                config = config or {i.key: json.loads(i.value_json) for i in record.run.config.update}
+                config = config or {_key(i): json.loads(i.value_json) for i in record.run.config.update}
             elif kind == "history":
-                items = {i.key: json.loads(i.value_json) for i in record.history.item}
+                items = {_key(i): json.loads(i.value_json) for i in record.history.item}
                 history[record.history.step.num] = items
     assert len(ids) == 1, ids  # the resume continued the same W&B run
     state = json.loads((root / "ck" / "step_00000005" / "state.json").read_text())
