@@ -234,6 +234,7 @@ def train_step(
         metrics["z_loss"] = stats[-1].item()
     if recipe.model.num_nextn_predict_layers:
         metrics.update(mtp_loss.step_metrics(recipe, state.mtp_parts, reports_loss, loss_tokens, state.device))
+        metrics["loss/main"] -= metrics.get("z_loss", 0.0)  # the main logits' z-loss, as `loss` (training/zloss.py)
     return metrics
 
 
