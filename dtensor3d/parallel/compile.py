@@ -94,11 +94,12 @@ def compile_backend(device_type: str) -> str:
 def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """What is compiled (pure: reads the module tree), as (name, module): every decoder block
     of this stage, or a MoE layer's attention alone (its routing has data-dependent shapes
-    that recompile at every step)."""
-    return [
-        (f"model.layers.{i}.self_attn", block.self_attn) if _is_moe(block) else (f"model.layers.{i}", block)
-        for i, block in model.model.layers.items()
-    ]
+    that recompile at every step). The MTP modules (models/mtp.py) are blocks too, compiled with
+    their enorm, hnorm, eh_proj and shared_head.norm."""
+    mtp = getattr(model.model, "mtp", None) or {}
+    blocks = [(f"model.layers.{i}", b) for i, b in model.model.layers.items()]
+    blocks += [(f"model.mtp.{i}", b) for i, b in mtp.items()]
+    return [(f"{name}.self_attn", block.self_attn) if _is_moe(block) else (name, block) for name, block in blocks]
 
 
 def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
