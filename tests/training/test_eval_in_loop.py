@@ -143,9 +143,9 @@ def test_wandb_offline_history_config_files_and_resume(runs):
     assert list((root / "wb" / "wandb").glob("offline-run-*/files/loss.svg"))
 
 
-def test_unknown_task_is_one_error_line_at_the_door(runs):
-    root = runs[0]
-    args = [PARITY, f"data.path={root / 'words'}", *BASE, "training.steps=4", *EVAL]
+def test_unknown_task_is_one_error_line_at_the_door(tmp_path):
+    prepare_words(tmp_path, "words", 4, 3)
+    args = [PARITY, f"data.path={tmp_path / 'words'}", *BASE, "training.steps=4", *EVAL[1:]]
     line = one_error_line(cli("validate", *args, "eval.tasks=[d3d_doc_mc, no_such_task]"))
     assert "eval.tasks=" in line and "unknown task no_such_task" in line, line
 
