@@ -191,9 +191,7 @@ def train_step(
     state.optimizer.zero_grad(set_to_none=True)
     if state.loss_rows is not None:
         state.loss_rows.clear()  # validation's rows too, since the last step
-    total = forward_backward(state, *mtp_loss.expand_batch(recipe, batch))
-    z_sum = zloss.take(state.z_parts, recipe.num_microbatches, state.device) * loss_scale(recipe, loss_tokens)
-    loss_sum = renormalise(state, total, loss_tokens) - z_sum  # `loss`: the cross-entropy (z_loss apart)
+    loss_sum, z_sum = _losses(state, batch, loss_tokens)
     tensor.match_grad_placements(state.params)
     data.sync_replicated_grads(state.model, state.params, state.mesh, recipe.parallelism)
     tied.sync_tied_grads(state.tied_copies)  # a tied embedding's copies on the first and last stage
@@ -204,8 +202,7 @@ def train_step(
     grad_sq = grad_sq_partial(state.params, state.norm_weights).to(state.device)
     moe = balance.step_stats(state.model, recipe, state.coords, state.device)
     per_source = per_source_sums(state, sources) * reports_loss
-    stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe, per_source.flatten(), z_sum.view(1)])
-    stats[-1] *= reports_loss
+    stats = torch.cat([torch.stack([loss_sum, grad_sq]) * reports_loss, moe, per_source.flatten(), z_sum.view(1)])
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
     lr = lr_at(state.step - state.held_steps, recipe.optimizer, recipe.training.steps)
@@ -230,12 +227,29 @@ def train_step(
     if recipe.model.num_local_experts:
         _moe_metrics(state, metrics, stats[2 : 2 + len(moe)])
     metrics.update(source_metrics(stats[2 + len(moe) : -1].view(-1, 2), state.source_names))
+    _loss_parts(state, metrics, stats[-1].item(), reports_loss, loss_tokens)
+    return metrics
+
+
+def _losses(state: TrainState, batch: tuple, loss_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over this rank's microbatches: (its loss sum, the cross-entropy
+    alone, and its z-loss sum: training/zloss.py), renormalised for a loss mask (renormalise)."""
+    recipe = state.recipe
+    total = forward_backward(state, *mtp_loss.expand_batch(recipe, batch))
+    z_sum = zloss.take(state.z_parts, recipe.num_microbatches, state.device) * loss_scale(recipe, loss_tokens)
+    z_sum = z_sum * (state.is_last_stage and state.coords["tp"] == 0)  # counted once, like the loss
+    return renormalise(state, total, loss_tokens) - z_sum, z_sum
+
+
+def _loss_parts(state: TrainState, metrics: dict, z_loss: float, reports_loss: bool, loss_tokens) -> None:
+    """`z_loss` (training.z_loss) and MTP's `loss/main`, `loss/mtp_k` beside `loss`: each the
+    cross-entropy alone (the z-loss apart)."""
+    recipe = state.recipe
     if recipe.training.z_loss > 0:
-        metrics["z_loss"] = stats[-1].item()
+        metrics["z_loss"] = z_loss
     if recipe.model.num_nextn_predict_layers:
         metrics.update(mtp_loss.step_metrics(recipe, state.mtp_parts, reports_loss, loss_tokens, state.device))
-        metrics["loss/main"] -= metrics.get("z_loss", 0.0)  # the main logits' z-loss, as `loss` (training/zloss.py)
-    return metrics
+        metrics["loss/main"] -= metrics.get("z_loss", 0.0)  # the main logits' z-loss, as `loss`
 
 
 def _moe_metrics(state: TrainState, metrics: dict, stats: torch.Tensor) -> None:
