@@ -171,11 +171,13 @@ class Dtensor3dLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations (KV cache), cut at the first stop sequence (HFLM's rules)."""
+        """Greedy continuations, cut at the first stop sequence (HFLM's rules): one request at a
+        time with generate's KV cache, or (the sharded model: no cache) batch_size requests of
+        the same stop strings and length per forward of the texts so far."""
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        out = []
+        jobs = []  # (prompt, max_new, until) per request
         for req in requests:
             context, gen_kwargs = req.args
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
@@ -183,9 +185,11 @@ class Dtensor3dLM(TemplateLM):
                 raise RecipeError(f"eval: only greedy generation is supported (got {gen_kwargs})")
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_new = kwargs.pop("max_gen_toks")
-            prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_new)
-            tokens = self._greedy(prompt, max_new, until)
-            text = postprocess_generated_text(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
+            jobs.append((self.tok_encode(context, left_truncate_len=self.max_length - max_new), max_new, until))
+        tokens = [self._greedy(*job) for job in jobs] if self.runner.cached else self._greedy_batched(jobs)
+        out = []
+        for req, (_, _, until), toks in zip(requests, jobs, tokens, strict=True):
+            text = postprocess_generated_text(generation=self.tok_decode(toks), stop=until, think_end_token=None)
             out.append(text)
             if self.cache_hook is not None:
                 self.cache_hook.add_partial("generate_until", req.args, text)
@@ -193,27 +197,40 @@ class Dtensor3dLM(TemplateLM):
         return out
 
     def _greedy(self, prompt: list[int], max_new: int, until: list[str]) -> list[int]:
-        """Greedy tokens after `prompt` up to the first stop string: with generate's KV cache, or
-        (the live model in the loop) a whole forward of the text so far per token."""
-        import torch
-
+        """Greedy tokens after `prompt` (generate's KV cache) up to the first stop string."""
         from ..generate import generate_ids
 
         tokens: list[int] = []
-        steps = generate_ids(self.model, prompt, max_new, temperature=0.0) if self.runner.cached else None
-        for _ in range(max_new):
-            if steps is not None:
-                token = next(steps, None)
-                if token is None:
-                    break
-            else:
-                token = int(
-                    self.runner.logits(torch.tensor([prompt + tokens]))[0, len(prompt) + len(tokens) - 1].argmax()
-                )
+        for token in generate_ids(self.model, prompt, max_new, temperature=0.0):
             tokens.append(token)
             if any(stop in self.tok_decode(tokens) for stop in until):
                 break
         return tokens
+
+    def _greedy_batched(self, jobs: list) -> list[list[int]]:
+        """Greedy tokens of every job without a cache: runs of consecutive jobs with the same
+        length and stop strings, batch_size at a time, each step one forward of the texts so far
+        (right-padded: a causal model's real positions see no padding)."""
+        import torch
+
+        out: list[list[int]] = [[] for _ in jobs]
+        start = 0
+        while start < len(jobs):
+            end = start + 1
+            while end < len(jobs) and end - start < self.batch_size and jobs[end][1:] == jobs[start][1:]:
+                end += 1
+            max_new, until, live = jobs[start][1], jobs[start][2], list(range(start, end))
+            for _ in range(max_new):
+                if not live:
+                    break
+                seqs = [jobs[i][0] + out[i] for i in live]
+                width, pad = max(map(len, seqs)), self.eot_token_id or 0
+                logits = self.runner.logits(torch.tensor([q + [pad] * (width - len(q)) for q in seqs]))
+                for k, i in enumerate(live):
+                    out[i].append(int(logits[k, len(seqs[k]) - 1].argmax()))
+                live = [i for i in live if not any(stop in self.tok_decode(out[i]) for stop in until)]
+            start = end
+        return out
 
 
 register_model("dtensor3d")(Dtensor3dLM)

@@ -203,3 +203,29 @@ def test_moe_family_equals_hflm_on_the_export(tmp_path):
     requests, worst, metric_worst = _compare(ours, theirs)
     print(f"\nqwen3_moe: {requests} requests, max rel loglikelihood error {worst:.2e}, metrics {metric_worst:.2e}")
     assert requests == LIMIT * 4 + LIMIT + LIMIT and worst <= 1e-5 and metric_worst <= 1e-5, (worst, metric_worst)
+
+
+def test_batched_generation_without_a_cache_equals_hflm(checkpoint):
+    """The sharded model's generation path (no KV cache: batch_size requests per forward of the
+    texts so far, right-padded), here on the whole model in this process: every greedy
+    generation identical to HFLM's on the export."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from dtensor3d.checkpoint.hf import load_model
+    from dtensor3d.harness import evaluate
+    from dtensor3d.harness.lm import Dtensor3dLM, LocalRunner, hf_tokenizer
+
+    class Uncached(LocalRunner):
+        cached = False
+
+    ck = str(checkpoint / "ck")
+    ours = Dtensor3dLM(runner=Uncached(load_model(ck)), tokenizer=hf_tokenizer(ck), batch_size=4, max_length=256)
+    theirs = HFLM(pretrained=str(checkpoint / "export"), dtype="float32", batch_size=4, device="cpu")
+    a, b = (
+        evaluate(lm, ["d3d_doc_gen"], TaskManager(include_path=TASKS_DIR), limit=LIMIT, log_samples=True)
+        for lm in (ours, theirs)
+    )
+    texts = [_responses(r)["d3d_doc_gen"] for r in (a, b)]
+    assert len(texts[0]) == LIMIT and texts[0] == texts[1]
+    assert a["results"]["d3d_doc_gen"]["exact_match,none"] == b["results"]["d3d_doc_gen"]["exact_match,none"]
