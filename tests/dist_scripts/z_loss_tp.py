@@ -1,8 +1,10 @@
-"""On 2 gloo ranks (tp 2): the z-loss (training/zloss.py) of logits sharded on the vocabulary
-(a DTensor, Shard(2), as the output head leaves them for `loss_parallel`), added to the
-vocab-parallel cross-entropy as the trainer adds it, against plain PyTorch on the whole
-logits: the z-loss value, the total and the logits' gradient. A padded vocabulary's -inf
-columns (the last 6 of 40 on rank 1) add nothing. Prints one JSON line from rank 0."""
+"""On 2 gloo ranks: the z-loss (training/zloss.py) against plain PyTorch on the whole logits.
+tp 2: logits sharded on the vocabulary (a DTensor, Shard(2), as the output head leaves them for
+`loss_parallel`), the z-loss added to the vocab-parallel cross-entropy as the trainer adds it:
+the z-loss value, the total and the logits' gradient. A padded vocabulary's -inf columns (the
+last 6 of 40, on rank 1) add nothing. cp 2: each rank's half of the sequence (the trainer's
+chunks, zigzag or not: the z-loss is a sum over tokens), the ranks' z-losses summed as the
+step's all-reduce sums them, and each half's gradient. Prints one JSON line from rank 0."""
 
 import json
 
@@ -39,6 +41,15 @@ with loss_parallel():
     total = loss_fn(sharded, targets)
     total.backward()
 grad = sharded.grad.full_tensor()
+
+rank, half = dist.get_rank(), seq // 2  # cp 2: this rank's tokens of every row
+rows = slice(rank * half, (rank + 1) * half)
+chunk, cp_parts = logits[:, rows].clone().requires_grad_(), []
+with_z_loss(ce, coef, global_tokens, ignore, cp_parts)(chunk, targets[:, rows]).backward()
+cp_z = cp_parts[0].clone()
+dist.all_reduce(cp_z)
+cp_grad = (chunk.grad - ref.grad[:, rows]).abs().max().reshape(1)
+dist.all_reduce(cp_grad, op=dist.ReduceOp.MAX)
 out = {
     "z": parts[0].item(),
     "plain_z": plain_z.item(),
@@ -46,6 +57,8 @@ out = {
     "total_rel": abs(total.full_tensor().item() - plain.item()) / plain.item(),
     "grad_max_abs": (grad - ref.grad).abs().max().item(),
     "grad_scale": ref.grad.abs().max().item(),
+    "cp_z_rel": abs(cp_z.item() - plain_z.item()) / plain_z.item(),
+    "cp_grad_max_abs": cp_grad.item(),
 }
 if dist.get_rank() == 0:
     print(json.dumps(out), flush=True)

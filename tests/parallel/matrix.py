@@ -154,9 +154,6 @@ OPTIONS = (
         {"adamw": (), "muon": ("optimizer.name=muon", "optimizer.muon_adjust_lr=match_rms_adamw")},
         model=True,
     ),
-    # The z-loss (training/zloss.py): vocab-parallel under tp, on cp's chunks, on pp's last stage;
-    # 0.01 (100x PaLM's) so that a wrong z gradient moves the loss well past the parity bar
-    Option("z_loss", {"off": (), "0.01": ("training.z_loss=0.01",)}, model=True),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 EXPERTS = ("moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")  # the model values with experts

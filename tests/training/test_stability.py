@@ -2,8 +2,8 @@
 train_step on the parity model, no torchrun): the z-loss (training.z_loss) equals plain
 PyTorch on the model's logits, and a step that spikes (training.skip_spikes) is not applied,
 its lr schedule held, so the run equals one whose data never held that batch, and a run
-resumed before it keeps the window and skips it too. (tp 2: tests/dist_scripts/z_loss_tp.py;
-the meshes: the combination matrix's `z_loss` option.)"""
+resumed before it keeps the window and skips it too. (tp 2 and cp 2:
+tests/dist_scripts/z_loss_tp.py.)"""
 
 from __future__ import annotations
 
@@ -106,9 +106,10 @@ def test_a_spiking_step_is_skipped_and_leaves_no_trace(one_rank, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(params(state).values(), params(resumed).values()))
 
 
-def test_z_loss_at_tp2_is_vocab_parallel_and_exact():
-    """tp 2 (tests/dist_scripts/z_loss_tp.py): logits sharded on the vocabulary, never gathered;
-    the value and the logits' gradient against plain PyTorch on the whole logits."""
+def test_z_loss_at_tp2_and_cp2_equals_plain_pytorch():
+    """tests/dist_scripts/z_loss_tp.py on 2 ranks: tp 2, logits sharded on the vocabulary and
+    never gathered; cp 2, each rank's half of the sequence; the value and the logits' gradient
+    against plain PyTorch on the whole logits."""
     out = json.loads(torchrun(2, ["tests/dist_scripts/z_loss_tp.py"]).stdout.strip().splitlines()[-1])
-    assert out["z_rel"] <= 1e-6 and out["total_rel"] <= 1e-6, out
-    assert out["grad_max_abs"] <= 1e-6 * out["grad_scale"], out
+    assert out["z_rel"] <= 1e-6 and out["total_rel"] <= 1e-6 and out["cp_z_rel"] <= 1e-6, out
+    assert max(out["grad_max_abs"], out["cp_grad_max_abs"]) <= 1e-6 * out["grad_scale"], out
