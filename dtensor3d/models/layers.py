@@ -100,13 +100,14 @@ def sink_attention(
     """Attention with a learned sink per head (gpt-oss): one more logit, `sinks` [h], in each
     row's softmax, whose value is zero -- it only takes its share of the probability. q: [b, h,
     sq, d]; k, v: [b, kv_h, sk, d]; mask: bool, broadcast to [b, h, sq, sk] (True: visible).
-    The scores as transformers' eager kernel computes them ([b, h, sq, sk] kept)."""
+    The scores as transformers' eager kernel computes them ([b, h, sq, sk] kept), the softmax in
+    fp32 as the fused kernels do (bf16 inputs: rounded once, to v's dtype, after it)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [b, h, sq, sk]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # [b, h, sq, sk]
     scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     return probs.to(v.dtype) @ v
 

@@ -92,7 +92,9 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         sinks = getattr(self, "sinks", None)
-        sinks = sinks.to_local() if hasattr(sinks, "to_local") else sinks  # this rank's heads' (tensor parallelism)
+        # this rank's heads' (tensor parallelism), asked of the type: under torch.compile a DTensor parameter's
+        # hasattr is False
+        sinks = sinks.to_local() if hasattr(type(sinks), "to_local") else sinks
         if cache is None:
             out = self.sequence.attention(q, k, v, document_ids, window=self.window, **_given(sinks=sinks))
         else:  # [b, h, s, d]

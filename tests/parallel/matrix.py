@@ -79,11 +79,11 @@ OPTIONS = (
             "smollm3": ("model.family=smollm3", "model.nope_layers=[1, 3]"),
             # gpt-oss on the mixture-of-experts recipe: learned attention sinks (split with the heads
             # under tp, once per row under cp), attention biases, experts and router with biases, the
-            # SwiGLU clamped at 0.1 (reached at init), layers 1 and 3 full where the window option slides
+            # SwiGLU clamped at 0.3 (reached at init), layers 1 and 3 full where the window option slides
             "gpt_oss": (
                 "model.family=gpt_oss",
                 "model.attention_bias=true",
-                "model.swiglu_limit=0.1",
+                "model.swiglu_limit=0.3",
                 "model.layer_types=[sliding_attention, full_attention, sliding_attention, full_attention]",
             ),
         },
@@ -154,6 +154,9 @@ OPTIONS = (
         {"adamw": (), "muon": ("optimizer.name=muon", "optimizer.muon_adjust_lr=match_rms_adamw")},
         model=True,
     ),
+    # Multi-token prediction (models/mtp.py): one MTP module of the family's block kind; its tokens
+    # k ahead cross cp's chunk edges, it lives on pp's last stage with a copy of the embedding
+    Option("num_nextn_predict_layers", {"0": (), "1": ("model.num_nextn_predict_layers=1",)}, model=True),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 EXPERTS = ("moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")  # the model values with experts
