@@ -148,16 +148,6 @@ OPTIONS = (
         },
         model=True,
     ),
-    # torchao's float8 matmuls on the decoder blocks' linears (parallel/float8.py), bf16 only
-    Option(
-        "float8",
-        {
-            "off": (),
-            "tensorwise": ("training.float8={recipe: tensorwise}",),
-            "rowwise": ("training.float8={recipe: rowwise}",),
-        },
-        model=True,
-    ),
     # Muon on the decoder layers' matrices (training/muon.py), Moonlight's lr adjustment
     Option(
         "optimizer",
@@ -273,12 +263,6 @@ RULES = (
         "the V schedules' split backward cannot run compiled",
         ("pp", "compile"),
         lambda r: r["pp"] not in ("zbv", "dualpipev") or r["compile"] == "eager",
-    ),
-    Rule("float8 computes in bf16", ("float8", "dtype"), lambda r: r["float8"] == "off" or r["dtype"] == "bfloat16"),
-    Rule(
-        "float8 has no overlapped tp path (its chunked matmuls are not torchao's)",
-        ("float8", "tp_async", "tp"),
-        lambda r: r["float8"] == "off" or r["tp_async"] == "off" or r["tp"] == "1",
     ),
     Rule("float8 computes in bf16", ("float8", "dtype"), lambda r: r["float8"] == "off" or r["dtype"] == "bfloat16"),
     Rule(
