@@ -202,7 +202,7 @@ def train_step(
     grad_sq = grad_sq_partial(state.params, state.norm_weights).to(state.device)
     moe = balance.step_stats(state.model, recipe, state.coords, state.device)
     per_source = per_source_sums(state, sources) * reports_loss
-    stats = torch.cat([torch.stack([loss_sum, grad_sq]) * reports_loss, moe, per_source.flatten(), z_sum.view(1)])
+    stats = torch.cat([torch.stack([loss_sum * reports_loss, grad_sq]), moe, per_source.flatten(), z_sum.view(1)])
     dist.all_reduce(stats)
     loss, grad_norm = stats[0].item(), math.sqrt(stats[1].item())
     lr = lr_at(state.step - state.held_steps, recipe.optimizer, recipe.training.steps)
