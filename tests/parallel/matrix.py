@@ -287,20 +287,28 @@ def allowed(run: dict[str, str]) -> bool:
     return all(rule.ok(run) for rule in RULES if all(k in run for k in rule.reads))
 
 
+# Options no rule reads combine with every allowed combination of the others: the generator
+# enumerates only the options some rule reads (CORE) and chooses the free ones (FREE) per run.
+FREE = tuple(i for i, o in enumerate(OPTIONS) if not any(o.name in r.reads for r in RULES))
+CORE = tuple(i for i in range(len(OPTIONS)) if i not in FREE)
+_CORE_PAIRS = tuple(itertools.combinations(range(len(CORE)), 2))  # column pairs of a CORE row
+
+
 @functools.cache
 def feasible() -> np.ndarray:
-    """Every combination the rules allow, as value indices (rows) in OPTIONS' order; a rule is
-    checked once, as soon as the last option it reads has its value. Computed once (read-only)."""
-    at = {o.name: i for i, o in enumerate(OPTIONS)}
-    due = [[r for r in RULES if max(at[k] for k in r.reads) == d] for d in range(len(OPTIONS))]
+    """Every combination of the CORE options the rules allow, as value indices (rows, one
+    column per CORE option in OPTIONS' order); a rule is checked once, as soon as the last
+    option it reads has its value. Computed once (read-only)."""
+    at = {OPTIONS[c].name: d for d, c in enumerate(CORE)}
+    due = [[r for r in RULES if max(at[k] for k in r.reads) == d] for d in range(len(CORE))]
     rows: list[tuple[int, ...]] = []
     run: dict[str, str] = {}
 
     def grow(idx: tuple[int, ...]) -> None:
-        if len(idx) == len(OPTIONS):
+        if len(idx) == len(CORE):
             rows.append(idx)
             return
-        option = OPTIONS[len(idx)]
+        option = OPTIONS[CORE[len(idx)]]
         for i, value in enumerate(option.values):
             run[option.name] = value
             if all(rule.ok(run) for rule in due[len(idx)]):
@@ -314,26 +322,49 @@ def feasible() -> np.ndarray:
 
 
 def as_run(row) -> dict[str, str]:
+    """A full row (a value index per option) as a run; a CORE row gets each free option's first value."""
+    if len(row) == len(CORE):
+        full = [0] * len(OPTIONS)
+        for c, i in zip(CORE, row):
+            full[c] = int(i)
+        row = full
     return {o.name: list(o.values)[int(i)] for o, i in zip(OPTIONS, row)}
 
 
-def pairs_of(rows: np.ndarray) -> set[tuple[int, int, int, int]]:
-    """(option a, value, option b, value) for every pair of options (a < b) in the rows."""
+def pairs_of(rows: np.ndarray, columns: tuple[int, ...] | None = None) -> set[tuple[int, int, int, int]]:
+    """(option a, value, option b, value) for every pair of columns (a < b) in the rows;
+    `columns`: the option each column is (default: every option, in order)."""
+    columns = tuple(range(rows.shape[1])) if columns is None else columns
     out = set()
-    for a, b in itertools.combinations(range(len(OPTIONS)), 2):
-        nb = len(OPTIONS[b].values)
+    for a, b in itertools.combinations(range(rows.shape[1]), 2):
+        nb = len(OPTIONS[columns[b]].values)
         codes = np.unique(rows[:, a].astype(np.int64) * nb + rows[:, b]).tolist()
-        out |= {(a, x // nb, b, x % nb) for x in codes}
+        out |= {(columns[a], x // nb, columns[b], x % nb) for x in codes}
     return out
 
 
+@functools.cache
+def feasible_pairs() -> frozenset[tuple[int, int, int, int]]:
+    """Every pair of values (option a = x, option b = y, a < b) some allowed combination holds:
+    the CORE pairs of the allowed rows, and a free option's every value with every value that
+    some allowed row holds."""
+    rows = feasible()
+    out = pairs_of(rows, CORE)
+    held = {c: set(np.unique(rows[:, d]).tolist()) for d, c in enumerate(CORE)}
+    held.update({f: set(range(len(OPTIONS[f].values))) for f in FREE})
+    for a, b in itertools.combinations(range(len(OPTIONS)), 2):
+        if a in FREE or b in FREE:
+            out |= {(a, x, b, y) for x in held[a] for y in held[b]}
+    return frozenset(out)
+
+
 def costs(rows: np.ndarray) -> np.ndarray:
-    """What each run costs here: its ranks, three times over when compiled (fresh ranks,
+    """What each CORE row costs here: its ranks, three times over when compiled (fresh ranks,
     inductor); computed once per distinct mesh and compile value."""
-    cols = [i for i, o in enumerate(OPTIONS) if o.name in ("dp", "cp", "ep", "tp", "pp", "compile")]
+    cols = [d for d, c in enumerate(CORE) if OPTIONS[c].name in ("dp", "cp", "ep", "tp", "pp", "compile")]
     code = np.zeros(len(rows), np.int64)
-    for i in cols:  # one mixed-radix number per row from those columns
-        code = code * len(OPTIONS[i].values) + rows[:, i]
+    for d in cols:  # one mixed-radix number per row from those columns
+        code = code * len(OPTIONS[CORE[d]].values) + rows[:, d]
     keys, inverse = np.unique(code, return_inverse=True)
     each = [_cost(int(k), cols) for k in keys]
     return np.array(each)[inverse.ravel()]
@@ -341,34 +372,68 @@ def costs(rows: np.ndarray) -> np.ndarray:
 
 def _cost(code: int, cols: list[int]) -> int:
     run = {}
-    for i in reversed(cols):
-        code, v = divmod(code, len(OPTIONS[i].values))
-        run[OPTIONS[i].name] = list(OPTIONS[i].values)[v]
+    for d in reversed(cols):
+        option = OPTIONS[CORE[d]]
+        code, v = divmod(code, len(option.values))
+        run[option.name] = list(option.values)[v]
     return world(run) * (3 if run["compile"] == "compiled" else 1)
+
+
+def _open(uncovered: dict, a: int, x, b: int, y) -> np.ndarray:
+    """Whether option a = x with option b = y is still uncovered (x, y: indices or arrays of them)."""
+    return uncovered[a, b][x, y] if a < b else uncovered[b, a][y, x]
+
+
+def _gain(uncovered: dict, cand: np.ndarray, fixed: dict[int, int]) -> np.ndarray:
+    """The uncovered pairs each CORE candidate row would cover: its CORE pairs, plus per free
+    option those with its fixed value (`fixed`) or else with its best value."""
+    gain = sum(_open(uncovered, CORE[i], cand[:, i], CORE[j], cand[:, j]).astype(int) for i, j in _CORE_PAIRS)
+    for f in FREE:
+        values = [fixed[f]] if f in fixed else range(len(OPTIONS[f].values))
+        per = [sum(_open(uncovered, c, cand[:, d], f, v).astype(int) for d, c in enumerate(CORE)) for v in values]
+        gain = gain + np.max(per, axis=0)
+    return gain
+
+
+def _complete(uncovered: dict, core_row: np.ndarray, fixed: dict[int, int]) -> list[int]:
+    """A full row: the CORE values, then each free option's fixed value or else the value
+    covering the most uncovered pairs with the values already in the row (ties: the first)."""
+    row: dict[int, int] = {c: int(v) for c, v in zip(CORE, core_row)}
+    for f in FREE:
+        if f in fixed:
+            row[f] = fixed[f]
+            continue
+        values = range(len(OPTIONS[f].values))
+        counts = [sum(bool(_open(uncovered, o, v, f, x)) for o, v in row.items()) for x in values]
+        row[f] = int(np.argmax(counts))
+    return [row[i] for i in range(len(OPTIONS))]
 
 
 def covering(seed: int = 0) -> list[dict[str, str]]:
     """A pairwise covering array, greedy and deterministic for a seed: while a pair of values
     is uncovered, take the first such pair, and among the allowed combinations that contain it
-    the one covering the most uncovered pairs (ties: the cheapest, then the seeded shuffle)."""
+    the one covering the most uncovered pairs (ties: the cheapest, then the seeded shuffle);
+    the free options' values are chosen last, each covering the most it can."""
     rows = feasible()
-    order = np.random.default_rng(seed).permutation(len(rows))
-    rows = rows[order]
+    rows = rows[np.random.default_rng(seed).permutation(len(rows))]
     price = costs(rows)
-    n = len(OPTIONS)
-    sizes = [len(o.values) for o in OPTIONS]
+    n, sizes = len(OPTIONS), [len(o.values) for o in OPTIONS]
     uncovered = {(a, b): np.zeros((sizes[a], sizes[b]), bool) for a, b in itertools.combinations(range(n), 2)}
-    for a, x, b, y in pairs_of(rows):
+    for a, x, b, y in feasible_pairs():
         uncovered[a, b][x, y] = True
     chosen = []
     while any(u.any() for u in uncovered.values()):
         (a, b), u = next((k, u) for k, u in sorted(uncovered.items()) if u.any())
         x, y = (int(v[0]) for v in np.nonzero(u))
-        cand = rows[(rows[:, a] == x) & (rows[:, b] == y)]
-        ccost = price[(rows[:, a] == x) & (rows[:, b] == y)]
-        gain = sum(uncovered[i, j][cand[:, i], cand[:, j]].astype(int) for i, j in uncovered)
-        best = np.lexsort((ccost, -gain))[0]
-        row = cand[best]
+        fixed, mask = {}, np.ones(len(rows), bool)
+        for option, value in ((a, x), (b, y)):
+            if option in FREE:
+                fixed[option] = value
+            else:
+                mask &= rows[:, CORE.index(option)] == value
+        cand, ccost = rows[mask], price[mask]
+        best = np.lexsort((ccost, -_gain(uncovered, cand, fixed)))[0]
+        row = _complete(uncovered, cand[best], fixed)
         for i, j in uncovered:
             uncovered[i, j][row[i], row[j]] = False
         chosen.append(row)
