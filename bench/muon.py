@@ -7,11 +7,11 @@ validation loss; Muon's step time against AdamW's at dp 2 and at tp 2 (median ov
 steps after the first 5); and the bytes `plan` counts for Muon's owner exchange.
 
 The sweep runs at world 1 (the numbers are the same at any mesh: the parity tests), shorter
-than text.yaml's 400 steps so the whole benchmark takes about 10 minutes on two free cores.
+than text.yaml's 400 steps (60 by default).
 Muon's runs keep AdamW's lr (text.yaml's) for the embedding, head and norms and sweep
 optimizer.muon_lr (torch's default lr adjustment, "original").
 
-usage: python bench/muon.py [--steps 120] [--data DIR]   (DIR: a prepared stdlib directory;
+usage: python bench/muon.py [--steps 60] [--data DIR]   (DIR: a prepared stdlib directory;
 default: prepared here into a temporary directory)
 """
 
@@ -96,7 +96,7 @@ def plan_bytes() -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--data")
     args = ap.parse_args()
     data = args.data or prepare(os.path.join(tempfile.mkdtemp(prefix="bench-stdlib-"), "stdlib"))
