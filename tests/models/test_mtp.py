@@ -367,3 +367,20 @@ def test_mtp_ep2_matches_world_1(tmp_path):
     for a, b in zip(one, two):
         for key in ("loss", "loss/main", "loss/mtp_1", "grad_norm", "aux_loss"):
             assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a[key], b[key])
+
+
+def test_export_of_a_family_without_mtp_layers_writes_them_with_one_note(tmp_path):
+    """A Llama with an MTP module: export-hf writes it under DeepSeek-V3's names (model.layers.{N}.*)
+    and prints one note: line (transformers' Llama ignores them)."""
+    from helpers import PARITY, cli, cli_process
+    from safetensors.torch import load_file
+
+    run = ["training.steps=1", "model.num_nextn_predict_layers=1", f"logging.run_dir={tmp_path / 'run'}"]
+    args = ["train", PARITY, *run, f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=1"]
+    assert cli_process(*args).returncode == 0
+    out = cli("export-hf", str(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "model.layers.4" in notes[0] and "ignores them" in notes[0], notes
+    names = set(load_file(tmp_path / "hf" / "model.safetensors"))
+    assert {f"model.layers.4.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head.norm")} <= names
