@@ -132,6 +132,7 @@ SLOW_IN_QUICK_FILES = {
     "test_padded_run_at_tp2_equals_the_unpadded_world_1_run",
     "test_mtp_dp2_matches_world_1",
     "test_mtp_ep2_matches_world_1",
+    "test_export_of_a_family_without_mtp_layers_writes_them_with_one_note",  # a 1-process training run, ~5 s
     "test_conversion_matches_torchao_alone_on_transformers",  # transformers and torchao's casts, ~20 s
 }
 SMOKE = {"tests/parallel/test_parity.py::test_parity[dp2]"}  # the quick tier's one 2-rank run
