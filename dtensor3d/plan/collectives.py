@@ -349,12 +349,14 @@ def tied_bytes(recipe, part: Part, units: dict[str, dict]) -> dict[str, int]:
 
 def world_bytes(recipe) -> dict[str, int]:
     """The step's world all-reduce: loss, squared grad norm, aux loss, tokens per expert of
-    each MoE layer; with balancing on, a second one of each MoE layer's bias [-min, max]."""
+    each MoE layer; with balancing on, a second one of each MoE layer's bias [-min, max]; the
+    z-loss's sum (train.train_step's last slot, zero when training.z_loss is 0)."""
     m = recipe.model
     depth = m.num_nextn_predict_layers  # MTP blocks route too; and the step's [main, CE_1..CE_D] (mtp_loss.py)
     n_moe = _moe_layers(recipe, range(m.num_hidden_layers + depth))
     balance = 2 * n_moe * (m.router_bias_update_rate > 0)
-    return _kinds(all_reduce=(3 + n_moe * m.num_local_experts + balance + (1 + depth) * (depth > 0)) * FP32)
+    mtp = (1 + depth) * (depth > 0)
+    return _kinds(all_reduce=(3 + n_moe * m.num_local_experts + balance + mtp + 1) * FP32)
 
 
 def comm_bytes(recipe, backend: str | None = None) -> list[dict[str, dict[str, int]]]:
