@@ -45,7 +45,9 @@ def muon_stage(recipe) -> list[dict[str, int]]:
     full = param_shapes(recipe.model)
     out = [dict(matrices=0, buffer_numel=0, tensors=0, sent_bytes=0, owner_bytes=0) for _ in range(p.pp)]
     for name, row in param_table(recipe).items():
-        if not (row["grad"] and is_muon(name, full[name])):
+        # a tied head's or MTP's embedding copy on the last stage (lm_head.weight, mtp_embed_tokens) has no
+        # row in the model's shapes, and is not a decoder layer's matrix
+        if not (row["grad"] and name in full and is_muon(name, full[name])):
             continue
         s = out[row["stage"]]
         shape = full[name]
