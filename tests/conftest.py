@@ -130,7 +130,7 @@ SLOW_IN_QUICK_FILES = {
     "test_tflops_and_step_times_in_the_records",  # the shared 1-process parity run
     "test_mfu_is_tflops_over_the_given_peak",  # a 1-process training run
     "test_padded_run_at_tp2_equals_the_unpadded_world_1_run",
-    "test_mtp_dp2_matches_world_1",
+    "test_mtp_dp2_matches_world_1_and_resumes_at_pp2",
     "test_mtp_ep2_matches_world_1",
     "test_export_of_a_family_without_mtp_layers_writes_them_with_one_note",  # a 1-process training run, ~5 s
     "test_conversion_matches_torchao_alone_on_transformers",  # transformers and torchao's casts, ~20 s
@@ -151,9 +151,11 @@ def pytest_collection_modifyitems(config, items):
 # tier's budget holds: the full tier runs MATRIX_RUNS of them, chosen by a seed that changes
 # every day (MATRIX_SEED sets it; the header prints it, so a failure reruns with the same
 # runs); `pytest -m matrix` (any -m naming matrix) runs every one.
-MATRIX_RUNS = int(os.environ.get("MATRIX_RUNS", "3"))
-# Compiled runs take 25-135 s against 12-40 s for most others (idle, 14:00): at most one a day.
-MATRIX_COMPILED = 1
+MATRIX_RUNS = int(os.environ.get("MATRIX_RUNS", "2"))
+# Compiled runs take 25-157 s against 12-40 s for most others (idle; 157 s: an 8-rank compiled
+# float8 run, 2026-12-05): none in the full tier, whose budget they broke (compile's parity in
+# the full tier: test_async_tp, test_mla_parity, test_speed); `-m matrix` runs them.
+MATRIX_COMPILED = int(os.environ.get("MATRIX_COMPILED", "0"))
 
 
 def matrix_seed() -> int:

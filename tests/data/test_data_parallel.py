@@ -9,11 +9,14 @@ from helpers import PARITY, ROOT, torchrun
 MOE = str(ROOT / "tests" / "recipes" / "moe_parity.yaml")
 LAYERS = 4  # num_hidden_layers of both test recipes
 
+# One FSDP unit per decoder block: torchtitan's reshard policy (auto, the default, may bucket
+# blocks into fewer units: tests/plan/test_reshard.py).
+DEFAULT_UNITS = "parallelism.fsdp_reshard_after_forward=default"
 CASES = {
     # ep 2 x dp 1 x cp 1: the dense parameters are sharded over ep; experts (split over ep)
     # are FSDP units on a 1-rank dp x cp mesh, which never reduce-scatters.
-    "ep2_dp1": (MOE, ["parallelism.ep=2"]),
-    "dp2": (PARITY, ["parallelism.dp=2"]),
+    "ep2_dp1": (MOE, ["parallelism.ep=2", DEFAULT_UNITS]),
+    "dp2": (PARITY, ["parallelism.dp=2", DEFAULT_UNITS]),
 }
 
 

@@ -264,6 +264,11 @@ RULES = (
         ("pp", "compile"),
         lambda r: r["pp"] not in ("zbv", "dualpipev") or r["compile"] == "eager",
     ),
+    Rule(
+        "MTP with a tied embedding under a V schedule (its first and last stage share a rank)",
+        ("num_nextn_predict_layers", "tied", "pp"),
+        lambda r: r["num_nextn_predict_layers"] == "0" or r["tied"] == "untied" or r["pp"] not in ("zbv", "dualpipev"),
+    ),
     Rule("float8 computes in bf16", ("float8", "dtype"), lambda r: r["float8"] == "off" or r["dtype"] == "bfloat16"),
     Rule(
         "float8 has no overlapped tp path (its chunked matmuls are not torchao's)",
