@@ -23,6 +23,7 @@ from .format import (
     read_json,
     read_manifest,
 )
+from .optim_state import BLOCK, SCALE
 from .slices import full_index
 
 # ---------------------------------------------------------------- checking a step directory
@@ -138,12 +139,15 @@ UNTRAINED = ".e_score_correction_bias"  # parameters without gradient or optimiz
 def check_optim(step_dir: str, index: dict[str, dict], expected: dict[str, list[int]]) -> None:
     """Optimizer tensors "<param>.<key>": the same keys for every trained parameter (none for
     a router's correction bias, which has no gradient; optimizer.name=muon: Muon's matrices
-    have only MUON_KEYS), each of the parameter's shape or a scalar (AdamW's step), in whole slices."""
+    have only MUON_KEYS), each of the parameter's shape or a scalar (AdamW's step), in whole slices;
+    an 8-bit state's scales (optimizer.state_dtype: 8bit) one per block of BLOCK elements."""
     if not index:
         return
     keys: dict[str, set] = {name: set() for name in expected if not name.endswith(UNTRAINED)}
     for entry in index:
         param, _, key = entry.rpartition(".")
+        if key.endswith(SCALE) and f"{param}.{key[: -len(SCALE)]}" in index:
+            continue  # an 8-bit state's block scales (optim_state.py): only parameters whose blocks align have them
         if param not in keys:
             raise CheckpointError(
                 f"{_first_file(step_dir, index[entry])}: optimizer tensor {entry} belongs to no parameter of the model"
@@ -158,6 +162,8 @@ def check_optim(step_dir: str, index: dict[str, dict], expected: dict[str, list[
     headers: dict[str, dict] = {}
     for entry, info in index.items():
         shape, need = list(info["shape"]), expected[entry.rpartition(".")[0]]
+        if entry.endswith(SCALE) and entry[: -len(SCALE)] in index:
+            need = [math.prod(need) // BLOCK]
         if shape not in ([], need):
             raise CheckpointError(
                 f"{_first_file(step_dir, info)}: optimizer tensor {entry} has shape {shape}, the model needs {need}"

@@ -20,13 +20,15 @@ import torch.distributed as dist
 from ..config.lr import keep_curve_advice, lr_at
 from ..errors import RESIZE_CAUSE, CheckpointError, UserError, is_rank0
 from ..models import stored_name
+from ..training.optim import new_state
 from .check import check_checkpoint, check_trajectory
 from .find import resume_target
 from .format import STATE, DamagedCheckpoint, corrupt, read_manifest, sha256_file
 from .hf import check_hf_init, load_params
 from .hf_names import HFSlices
 from .lock import LOCK, check_lock, held_by_this_job, read_lock
-from .slices import SliceReader, read_into_
+from .optim_state import SCALE, load_state
+from .slices import SliceReader
 
 
 def check_dir_writable(ckpt_dir: str) -> None:
@@ -96,19 +98,21 @@ def set_aside(step_dir: str) -> str:
 
 
 def load_optimizer(optimizer, model: torch.nn.Module, files: SliceReader) -> None:
-    """Rebuild the optimizer state of this rank's parameters, reading only its pieces."""
+    """Rebuild the optimizer state of this rank's parameters, reading only its pieces, each
+    state in the optimizer's own dtype (optimizer.state_dtype; checkpoint/optim_state.py)."""
     keys: dict[str, list[str]] = {}
     for entry in files.index:
         param, _, key = entry.rpartition(".")
-        keys.setdefault(param, []).append(key)
+        if not (key.endswith(SCALE) and f"{param}.{key[: -len(SCALE)]}" in files.index):  # an 8-bit state's scales
+            keys.setdefault(param, []).append(key)
     for name, p in model.named_parameters():
         name, entry = stored_name(model.cfg, name), {}  # a tied head's copy: the embedding's moments
         for key in sorted(keys.get(name, [])):
             if not files.shape(f"{name}.{key}"):  # AdamW's step counter, kept on the CPU as AdamW keeps it
                 entry[key] = files.read(f"{name}.{key}")
             else:
-                entry[key] = torch.zeros_like(p)
-                read_into_(entry[key], f"{name}.{key}", files)
+                entry[key] = new_state(optimizer, p, key)
+                load_state(entry[key], f"{name}.{key}", files)
         if entry:
             optimizer.state[p] = entry
 

@@ -23,6 +23,7 @@ from .format import (
     read_manifest,
     save_tensors,
 )
+from .optim_state import add_state
 from .slices import Writers, boxes
 
 # ---------------------------------------------------------------- saving
@@ -44,12 +45,14 @@ class StageSlices:
     places: dict
 
 
-def _add(out: dict, places: dict, name: str, t: torch.Tensor) -> None:
-    """This rank's boxes of `t` under keys `name` (one box) or `name@k`."""
-    found = boxes(t, name)
+def _add(out: dict, places: dict, name: str, t: torch.Tensor, piece=None, found=None) -> None:
+    """This rank's boxes of `t` under keys `name` (one box) or `name@k`; `piece` and `found`:
+    the local tensor and its boxes when they are not t's own (an 8-bit state's codes and scales)."""
+    found = boxes(t, name) if found is None else found
+    piece = local(t).detach() if piece is None else piece
     for k, (lstart, gstart, size) in enumerate(found):
         key = name if len(found) == 1 else f"{name}@{k}"
-        out[key] = local(t).detach()[tuple(slice(a, a + n) for a, n in zip(lstart, size))]
+        out[key] = piece[tuple(slice(a, a + n) for a, n in zip(lstart, size))]
         places[key] = {"name": name, "offset": list(gstart), "shape": list(t.shape)}
 
 
@@ -65,8 +68,8 @@ def stage_slices(state) -> StageSlices:
         if writers.writes(p):
             _add(params, places, name, p)
         for key, value in sorted(state.optimizer.state.get(p, {}).items()):
-            if torch.is_tensor(value) and writers.writes(value):
-                _add(moments, places, f"{name}.{key}", value)
+            if torch.is_tensor(value) and writers.writes(value):  # bf16 / 8-bit states as they are: optim_state.py
+                add_state(lambda *a: _add(moments, places, *a), f"{name}.{key}", value)
     lead = all(state.coords[a] == 0 for a in ("ep", "dp", "cp", "tp"))
     tag = f"stage{state.coords['pp']:02d}" + ("" if lead else f"-rank{dist.get_rank():05d}")
     return StageSlices(tag, params, moments, places)

@@ -132,12 +132,13 @@ class Writers:
         return all(self.coords[a] == 0 for a in REPLICA_AXES if a not in spanned)
 
 
-def read_into_(dst: torch.Tensor, name: str, files: SliceReader) -> None:
+def read_into_(dst: torch.Tensor, name: str, files: SliceReader, target: torch.Tensor | None = None) -> None:
     """Fill this rank's piece of `dst` (a DTensor or a plain tensor of the full shape) from
-    the regions of `name` it covers; one region in memory at a time."""
+    the regions of `name` it covers; one region in memory at a time. `target`: a tensor of
+    the local piece's shape to fill instead (an 8-bit state's codes, checkpoint/optim_state.py)."""
     if files.shape(name) != list(dst.shape):
         raise CheckpointError(f"{name}: the file holds shape {files.shape(name)}, the model needs {list(dst.shape)}")
-    target = local(dst)
+    target = local(dst) if target is None else target
     with torch.no_grad():
         for lstart, gstart, size in boxes(dst, name):
             piece = files.read(name, gstart, size)

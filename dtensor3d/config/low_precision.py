@@ -1,5 +1,10 @@
 """Door checks and named facts of low precision: training.float8 (torchao's float8 training)
-and optimizer.state_dtype (AdamW's moments in bf16 or 8 bits). Torch-free."""
+and optimizer.state_dtype (AdamW's moments in bf16 or 8 bits). Torch-free.
+
+optimizer.state_dtype: 8bit holds every placement dtensor3d builds (tried on 2 ranks: Shard(0),
+Shard(1), Replicate and FSDP-over-tp's _StridedShard: torchao's step on each matches the
+one-process step bitwise), so no pair is refused; a parameter whose 256-element blocks are not
+runs of the full tensor keeps fp32 moments (training/optim_lowp.py's blocks_align)."""
 
 from __future__ import annotations
 
@@ -36,8 +41,9 @@ def validate_low_precision(recipe) -> None:
                 "training.float8 with parallelism.tp_linear_async_communication=true: the chunked overlap computes "
                 "the projections in its own matmuls, not torchao's float8 ones; set one of them off"
             )
-    if recipe.optimizer.state_dtype != "float32":  # bf16 / 8-bit moments: declared, not built yet (issue 41 item 2)
-        raise RecipeError(f"optimizer.state_dtype={recipe.optimizer.state_dtype}: not implemented yet; valid: float32")
+    state = recipe.optimizer.state_dtype
+    if state != "float32" and importlib.util.find_spec("torchao") is None:  # training/optim_lowp.py
+        raise RecipeError(f"optimizer.state_dtype={state}: needs torchao (pip install torchao); float32 does not")
 
 
 def _validate_float8(f8: dict, dtype: str) -> None:

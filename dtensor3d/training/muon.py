@@ -7,7 +7,8 @@ both at the scheduled lr (the Muon group's peak: optimizer.muon_lr).
 Muon's update per matrix, as torch 2.13's `_single_tensor_muon`: buf.lerp_(g, 1 - momentum);
 u = g.lerp(buf, momentum) (Nesterov) or buf; O = Newton-Schulz(u); p *= 1 - lr * weight_decay;
 p -= adjust_lr(lr, shape) * O. The momentum buffer is elementwise, so it lives sharded like
-its parameter (and checkpoints save and reshard it like AdamW's moments: "<param>.momentum_buffer");
+its parameter (and checkpoints save and reshard it like AdamW's moments: "<param>.momentum_buffer"),
+in optimizer.state_dtype like them (training/optim_lowp.py);
 only Newton-Schulz needs the whole matrix: training/muon_owners.py.
 """
 
@@ -19,6 +20,7 @@ from torch.optim._muon import _adjust_lr
 
 from ..parallel.shards import local
 from .muon_owners import orthogonalise, plan_units
+from .optim import new_state
 
 ROUTER_GATE = ".gate.weight"  # a MoE layer's router (models/moe.py); the MLP's is gate_proj
 
@@ -77,10 +79,14 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
+                state["momentum_buffer"] = new_state(self.adamw, p, "momentum_buffer")
             g, buf = local(p.grad), local(state["momentum_buffer"])
-            buf.lerp_(g, 1 - m)
-            updates[p] = g.lerp(buf, m) if group["nesterov"] else buf
+            # buf itself in fp32; bf16 / torchao's 8-bit blocks (state_dtype): read in fp32, updated, written back
+            full = buf.dequantize() if hasattr(buf, "codes") else buf.float()
+            full.lerp_(g, 1 - m)
+            if full is not buf:
+                buf.copy_(full)
+            updates[p] = g.lerp(full, m) if group["nesterov"] else full
         units = [u for u in self.units if u.param.grad is not None]
         ortho = orthogonalise(units, updates, group["ns_steps"])
         lr = group["lr"]

@@ -26,15 +26,31 @@ def build_optimizer(model_parts: list[nn.Module], opt) -> torch.optim.Optimizer:
     return adamw([p for part in model_parts for p in part.parameters() if p.requires_grad], opt)
 
 
-def adamw(params: list[torch.Tensor], opt) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only, one param group per (decay, mesh)."""
+def adamw(params: list[torch.Tensor], opt) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only, one param group per (decay, mesh). The moments
+    in optimizer.state_dtype: torch's AdamW (float32), or torchao's bf16 / 8-bit state AdamW
+    (training/optim_lowp.py)."""
     groups: dict[tuple, list] = {}
     for p in params:
         groups.setdefault((p.ndim >= 2, _mesh_key(p)), []).append(p)
     param_groups = [
         {"params": ps, "weight_decay": opt.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()
     ]
+    if opt.state_dtype != "float32":
+        from .optim_lowp import low_precision_adamw
+
+        return low_precision_adamw(param_groups, opt)
     return torch.optim.AdamW(param_groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+
+
+def new_state(optimizer, p: torch.Tensor, key: str) -> torch.Tensor:
+    """The zero state `key` the optimizer would make for `p` (a checkpoint fills it in): a
+    moment or Muon's momentum buffer in optimizer.state_dtype (optim_lowp's `_new_buffer`:
+    bf16, torchao's 8-bit blocks); fp32 for torch's AdamW."""
+    inner = getattr(optimizer, "adamw", optimizer)  # training/muon.py's MuonAdamW keeps its AdamW here
+    if hasattr(inner, "_new_buffer"):
+        return inner._new_buffer(p, key != "exp_avg_sq")
+    return torch.zeros_like(p)
 
 
 def replication(p: torch.Tensor, world_size: int, pp: int) -> int:

@@ -43,6 +43,12 @@ def test_float8_without_bf16_is_one_error_line():
 
 
 @pytest.mark.parametrize("value", ["bfloat16", "8bit"])
-def test_low_precision_states_are_refused_until_built(value):
-    with pytest.raises(RecipeError, match=f"optimizer.state_dtype={value}: not implemented yet; valid: float32"):
-        load_recipe(PARITY, [f"optimizer.state_dtype={value}"])
+def test_low_precision_states_pass_the_door(value):
+    """No placement dtensor3d builds is refused for 8bit (config/low_precision.py's docstring)."""
+    for mesh in ([], ["parallelism.tp=2"], ["parallelism.dp=2", "parallelism.dp_mode=shard"]):
+        assert load_recipe(PARITY, [f"optimizer.state_dtype={value}", *mesh]).optimizer.state_dtype == value
+
+
+def test_unknown_state_dtype_is_one_error_line():
+    line = one_error_line(cli("validate", PARITY, "optimizer.state_dtype=float16"))
+    assert "optimizer.state_dtype" in line and "8bit" in line, line

@@ -1,0 +1,97 @@
+"""Optimizer states as they are held (optimizer.state_dtype, training/optim_lowp.py): fp32 and
+bf16 moments are saved in their own dtype, sliced like their parameter; torchao's 8-bit
+states (`OptimState8bit`: uint8 codes shaped like the parameter, one fp32 absmax per block of
+256) as two tensors: "<param>.<key>" the codes, sliced like the parameter, and
+"<param>.<key>_scale" the scales, 1-D, one per block of the flattened full tensor. The blocks
+are the full tensor's (optim_lowp.blocks_align), so a rank's blocks are runs of that 1-D
+tensor and any mesh whose blocks also align reads its codes and scales back bitwise. A rank
+holding fp32 moments where the saved ones are 8-bit (or the reverse) dequantises (or
+quantises) them: the value of element i is qmap[code_i] * scale[i // 256].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..parallel.shards import local
+from .slices import SliceReader, boxes, held_indices, read_into_
+
+SCALE = "_scale"  # "<param>.<key>_scale": an 8-bit state's block scales
+BLOCK = 256  # training/optim_lowp.BLOCK (torchao's), duplicated to keep this module torchao-free
+
+
+def quantised(t: torch.Tensor) -> bool:
+    """Whether a state is torchao's 8-bit blocks (a DTensor's local piece, or the tensor)."""
+    return hasattr(local(t), "codes")
+
+
+def _flat_index(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Global flat indices of the local elements at local flat `positions`."""
+    idx, shape = held_indices(t), list(t.shape)
+    coords = torch.unravel_index(positions, list(local(t).shape))
+    out, stride = torch.zeros_like(positions), 1
+    for d in reversed(range(len(shape))):
+        held = torch.as_tensor(list(idx[d]), dtype=torch.int64)
+        out += held[coords[d]] * stride
+        stride *= shape[d]
+    return out
+
+
+def _block_runs(t: torch.Tensor, block: int) -> list[tuple[int, int, int]]:
+    """(local block, global block, count) of each run of this rank's blocks in the full tensor's."""
+    n = local(t).numel()
+    g = (_flat_index(t, torch.arange(0, n, block)) // block).tolist()
+    runs: list[list[int]] = []
+    for i, b in enumerate(g):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, b, 1])
+    return [tuple(r) for r in runs]
+
+
+def add_state(add, name: str, value: torch.Tensor) -> None:
+    """Call `add(name, tensor, piece, boxes)` for each tensor this state is saved as."""
+    piece = local(value).detach()
+    if not quantised(value):
+        add(name, value, piece, boxes(value, name))
+        return
+    add(name, value, piece.codes, boxes(value, name))
+    blocks = piece.codes.numel() // piece.scale.numel()
+    scale_boxes = [((lb,), (gb,), (n,)) for lb, gb, n in _block_runs(value, blocks)]
+    add(name + SCALE, torch.empty(value.numel() // blocks, device="meta"), piece.scale, scale_boxes)
+
+
+def load_state(dst: torch.Tensor, name: str, files: SliceReader) -> None:
+    """Fill this rank's piece of the state `dst` (optim.new_state's) from `name` on disk."""
+    saved_8bit = name + SCALE in files.index
+    if quantised(dst) and saved_8bit:
+        q = local(dst)
+        read_into_(dst, name, files, target=q.codes)
+        blocks = q.codes.numel() // q.scale.numel()
+        if files.shape(name + SCALE) == [dst.numel() // blocks] and blocks == BLOCK:
+            for lb, gb, n in _block_runs(dst, blocks):
+                q.scale[lb : lb + n].copy_(files.read(name + SCALE, [gb], [n]))
+            return
+    if not saved_8bit and not quantised(dst):
+        read_into_(dst, name, files)  # fp32 or bf16 on disk into fp32 or bf16
+        return
+    if saved_8bit:
+        values = _dequantised(dst, name, files)
+    else:
+        values = torch.empty(local(dst).shape, dtype=files.dtype(name))
+        read_into_(dst, name, files, target=values)
+    local(dst).copy_(values)  # into 8-bit blocks: quantised by torchao's copy_
+
+
+def _dequantised(dst: torch.Tensor, name: str, files: SliceReader) -> torch.Tensor:
+    """This rank's piece of a saved 8-bit state as fp32 values (qmap[code] * its block's scale)."""
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    codes = torch.empty(local(dst).shape, dtype=torch.uint8)
+    read_into_(dst, name, files, target=codes)
+    qmap = torch.tensor(get_qmap_unsigned() if name.endswith("exp_avg_sq") else get_qmap_signed())
+    scales = files.read(name + SCALE)
+    blocks = dst.numel() // scales.numel()
+    where = _flat_index(dst, torch.arange(codes.numel())).view(codes.shape) // blocks
+    return qmap[codes.long()] * scales[where]

@@ -1,0 +1,134 @@
+"""Issue 41 item 2, optimizer.state_dtype, in this process (no torchrun): the bf16 and 8-bit
+state AdamW (training/optim_lowp.py) step equals torchao's optimizer applied directly
+(bitwise), and a world-1 run on the trainer's own setup saves the states as they are
+(bf16; 8-bit codes with their block scales) and resumes bitwise. (Mesh changes: the
+combination matrix's option `state_dtype`, tests/parallel/matrix.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchao.optim.adam as torchao_adam
+from helpers import PARITY
+from safetensors import safe_open
+from torchao.optim import AdamW8bit, _AdamW
+from torchao.optim.subclass_8bit import OptimState8bit
+
+from dtensor3d.checkpoint.background import Saver
+from dtensor3d.config.load import load_recipe
+from dtensor3d.datasets.sources import make_source
+from dtensor3d.training.optim import adamw
+from dtensor3d.training.train import rank_batch, setup, train_step
+
+LRS = (1e-2, 7e-3, 3e-3)  # a changing lr, written as floats the way training/train.py writes it
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # a 64 x 128 matrix (8-bit blocks), a 24 x 24 one and biases (fp32 moments)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 24))
+
+
+def _train(model, opt, set_lr) -> None:
+    for i, lr in enumerate(LRS):
+        set_lr(opt, lr)
+        torch.manual_seed(i)
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A state's stored tensors: torchao's 8-bit codes and block scales, or itself."""
+    return (t.codes, t.scale) if isinstance(t, OptimState8bit) else (t,)
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "8bit"])
+def test_low_precision_state_step_is_torchaos_bitwise(state_dtype, monkeypatch):
+    """torchao's own class on the same model and gradients: `_AdamW` with its moments made
+    bf16 before the first step (torchtitan's way: torchao keeps them in the weight's dtype),
+    `AdamW8bit`; both eager (torch.compile made the identity: on CPU it costs ~14 s a shape).
+    Ours: training/optim.py's adamw, groups as the trainer makes them, lr a float per step."""
+    opt_cfg = load_recipe(PARITY, [f"optimizer.state_dtype={state_dtype}"]).optimizer
+    ours_model, ref_model = _model(), _model()
+    ours = adamw(list(ours_model.parameters()), opt_cfg)
+
+    def set_float(opt, lr):
+        for g in opt.param_groups:
+            g["lr"] = lr
+
+    _train(ours_model, ours, set_float)
+
+    monkeypatch.setattr(torchao_adam.torch, "compile", lambda fn, **kw: fn)
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in ours.param_groups]
+    index = {id(p): i for i, p in enumerate(ours_model.parameters())}
+    ref_params = list(ref_model.parameters())
+    groups = [{**g, "params": [ref_params[index[id(p)]] for p in g["params"]]} for g in groups]
+    kw = dict(lr=LRS[0], betas=opt_cfg.betas, eps=opt_cfg.eps)
+    ref = _AdamW(groups, **kw) if state_dtype == "bfloat16" else AdamW8bit(groups, **kw)
+    if state_dtype == "bfloat16":
+        for p in ref_params:
+            zero = torch.zeros_like(p, dtype=torch.bfloat16)
+            ref.state[p] = {"step": torch.tensor(0.0), "exp_avg": zero, "exp_avg_sq": zero.clone()}
+    _train(ref_model, ref, lambda opt, lr: [g["lr"].fill_(lr) for g in opt.param_groups])
+
+    for p, q in zip(ours_model.parameters(), ref_params):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = ours.state[p][key], ref.state[q][key]
+            assert type(a) is type(b) and all(torch.equal(x, y) for x, y in zip(_parts(a), _parts(b))), key
+    weight = ours.state[ours_model[0].weight]["exp_avg"]
+    if state_dtype == "8bit":  # 8 192 elements: codes (1 B each) and 32 fp32 block scales
+        assert isinstance(weight, OptimState8bit) and weight.codes.dtype == torch.uint8 and weight.scale.numel() == 32
+        assert not isinstance(ours.state[ours_model[2].weight]["exp_avg"], OptimState8bit)  # 3 072 < 4 096
+    else:
+        assert weight.dtype == torch.bfloat16
+
+
+@pytest.fixture
+def one_rank():
+    """A 1-process gloo group (the env torch reads, restored after)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+            mp.setenv(key, value)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "8bit"])
+def test_states_saved_as_they_are_and_resumed_bitwise(state_dtype, one_rank, tmp_path):
+    """Three steps, a save after the second, a resume (checkpoint.resume: auto) that takes
+    the third again: loss and every weight bitwise; on disk the moments are bf16, or uint8
+    codes beside "<key>_scale" fp32 block scales (the 4 096-element q_proj: 16 blocks)."""
+    base = ["model.num_hidden_layers=1", "training.eval_every=0", "training.micro_batch_size=2", "training.steps=3"]
+    given = [*base, f"optimizer.state_dtype={state_dtype}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    given += ["checkpoint.async_save=false"]
+    recipe = load_recipe(PARITY, [*given, "checkpoint.resume=none"])
+    state = setup(recipe)
+    source = make_source(recipe)
+    batches = [rank_batch(state, source, i) for i in range(3)]
+    got = []
+    for i, batch in enumerate(batches):
+        got.append(train_step(state, batch))
+        if i == 1:
+            step_dir = Saver(state).save(state)
+    resumed = setup(load_recipe(PARITY, given))
+    assert resumed.step == 2
+    assert train_step(resumed, batches[2])["loss"] == got[2]["loss"]
+    for (name, a), b in zip(state.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    index = json.loads((tmp_path / "ck" / "step_00000002" / "state.json").read_text())["tensors"]["optim"]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with safe_open(str(tmp_path / "ck" / "step_00000002" / index[f"{q}.exp_avg"]["slices"][0]["file"]), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys() if k.startswith(q)}
+    if state_dtype == "8bit":
+        assert dtypes[f"{q}.exp_avg"] == "U8" and dtypes[f"{q}.exp_avg_sq_scale"] == "F32", dtypes
+        assert index[f"{q}.exp_avg_scale"]["shape"] == [16]
+    else:
+        assert dtypes[f"{q}.exp_avg"] == dtypes[f"{q}.exp_avg_sq"] == "BF16", dtypes
+    assert step_dir
