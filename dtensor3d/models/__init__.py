@@ -66,10 +66,14 @@ def _is_tied(model: nn.Module) -> bool:
 
 
 def _embedding(model: nn.Module) -> nn.Module | None:
-    """The stage's embedding: embed_tokens, or on a pipeline's last stage MTP's copy of it."""
+    """The embedding the head ties to: embed_tokens, or on a pipeline's last stage MTP's copy
+    of it where that copy is the head's parameter (`keep_only`'s `mtp_shares_head`; under a
+    V schedule it is a copy of its own: parallel/tied.py)."""
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)
-    return embed if embed is not None else getattr(inner, "mtp_embed_tokens", None)
+    if embed is None and getattr(inner, "mtp_shares_head", False):
+        return inner.mtp_embed_tokens
+    return embed
 
 
 def tie_weights(model: nn.Module) -> nn.Module:

@@ -171,6 +171,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = _norm(cfg, cfg.hidden_size)
         self.mtp_embed_tokens = None  # a pipeline's last stage: its copy of embed_tokens for MTP (keep_only)
+        self.mtp_shares_head = False  # whether that copy is the tied head's parameter (keep_only)
         n, depth = cfg.num_hidden_layers, cfg.num_nextn_predict_layers  # MTP modules (models/mtp.py), or None
         self.mtp = (
             nn.ModuleDict({str(i): make_mtp_layer(DecoderLayer, _norm, cfg, hooks, i) for i in range(n, n + depth)})
@@ -252,9 +253,13 @@ class LlamaForCausalLM(nn.Module):
         hs = [h, *mtp_forward(self.model, mtp_ids, h0, **docs)]
         return torch.stack([mask_padded_vocab(self.lm_head(x), self.cfg.vocab_size, self.hooks) for x in hs], dim=2)
 
-    def keep_only(self, layers: range, first: bool, last: bool) -> LlamaForCausalLM:
+    def keep_only(self, layers: range, first: bool, last: bool, split_backward: bool = False) -> LlamaForCausalLM:
         """Turn this model into one pipeline stage: `layers` (global indices), plus the
-        embedding on the first stage and the final norm and head on the last."""
+        embedding on the first stage and the final norm and head on the last.
+        `split_backward`: the stage's schedule computes weight gradients apart from input
+        gradients (zbv, dualpipev: torch's stage_backward_weight), which cannot take one
+        parameter used at two sites of a stage, so MTP's copy of a tied embedding is then a
+        parameter of its own rather than the head's (parallel/tied.py sums all the copies)."""
         for i in list(self.model.layers.keys()):
             if int(i) not in layers:
                 del self.model.layers[i]
@@ -262,7 +267,11 @@ class LlamaForCausalLM(nn.Module):
             # MTP shares the input embedding: the last stage keeps its own copy under another
             # name (a tied head's parameter, where tied), saved and loaded as the embedding
             # (models.stored_name); parallel/tied.py sums the copies' gradients
-            self.model.mtp_embed_tokens = self.model.embed_tokens
+            embed = self.model.embed_tokens
+            own = split_backward and self.cfg.tie_word_embeddings
+            copy = nn.Embedding(*embed.weight.shape, device=embed.weight.device) if own else embed
+            self.model.mtp_embed_tokens = copy
+            self.model.mtp_shares_head = self.cfg.tie_word_embeddings and not own
         if not first:
             self.model.embed_tokens = None
         if not last:

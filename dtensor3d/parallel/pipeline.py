@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..config.schema import stage_layers  # torch-free (plan uses it); importable from here as before
+from ..config.schema import V_SCHEDULES, stage_layers  # torch-free (plan uses it); importable from here as before
 from ..models import build_on_meta
 from ..plan.schedule_model import rank_stages
 from .shards import local
@@ -108,7 +108,8 @@ def split_stage(model: nn.Module, stage: int, parallelism) -> nn.Module:
         return model
     pp_layers = p.pp_layers if p.stages_per_rank == 1 else None
     layers = stage_layers(model.cfg.num_hidden_layers, p.pp_stages, pp_layers)[stage]
-    return model.keep_only(layers, first=stage == 0, last=stage == p.pp_stages - 1)
+    last, split_backward = stage == p.pp_stages - 1, p.pp_engine in V_SCHEDULES
+    return model.keep_only(layers, first=stage == 0, last=last, split_backward=split_backward)
 
 
 def merge_stages(parts: list[nn.Module]) -> nn.Module:

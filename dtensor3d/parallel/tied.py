@@ -14,10 +14,15 @@ gradients are summed (`sync_tied_grads`, before the grad norm and clipping):
 - locally, with no communication, where one rank holds both stages (zbv and dualpipev fold
   the V back: rank 0 holds the first stage and the last, one module each).
 
-Both copies then take the same AdamW step from the same values and stay bitwise equal. The
-global grad norm counts the matrix once: each copy's share is weighted by 1/2
-(`norm_share`). Under tp both copies are vocab-parallel Shard(0), under FSDP both are dim-0
-chunks of the same mesh, so the local pieces of the two gradients cover the same region.
+Under those two schedules a tied model with MTP holds a third copy: the last stage's head
+and MTP's embedding are two parameters there, not one, as torch's split backward
+(stage_backward_weight) cannot take one parameter used at two sites of a stage (torch 2.13:
+"Trying to backward through the graph a second time"; pytorch#180952 is that pattern's
+double count, fixed before 2.13). All copies then take the same AdamW step
+from the same values and stay bitwise equal. The global grad norm counts the matrix once:
+each copy's share is weighted by 1/copies (`norm_share`). Under tp every copy is
+vocab-parallel Shard(0), under FSDP each is dim-0 chunks of the same mesh, so the local
+pieces of their gradients cover the same region.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config.schema import V_SCHEDULES
 from ..mesh import mesh_axis, rank_groups
 from ..models import EMBEDDING, stored_name
 from ..plan.schedule_model import stage_rank
@@ -53,10 +59,20 @@ def split_apart(recipe) -> bool:
     return bool(m.tie_word_embeddings or m.num_nextn_predict_layers) and recipe.parallelism.pp_enabled
 
 
+def copies(recipe) -> int:
+    """How many parameters hold the embedding matrix once it is split apart: the first
+    stage's and the last stage's, plus under a V schedule the last stage's second one where a
+    tied head and MTP both use it (their uses are one parameter elsewhere, but torch's split
+    weight backward cannot take one parameter at two sites of a stage: models/llama.py's
+    keep_only)."""
+    m, p = recipe.model, recipe.parallelism
+    return 3 if m.tie_word_embeddings and m.num_nextn_predict_layers and p.pp_engine in V_SCHEDULES else 2
+
+
 def norm_share(recipe, cfg, name: str) -> float:
     """The weight of a parameter's squared gradient norm in the global norm beyond its
-    replication: 1/2 for each copy of a tied matrix held twice, 1 otherwise."""
-    return 0.5 if split_apart(recipe) and stored_name(cfg, name) == EMBEDDING else 1.0
+    replication: 1/copies for each copy of the embedding matrix split apart, 1 otherwise."""
+    return 1 / copies(recipe) if split_apart(recipe) and stored_name(cfg, name) == EMBEDDING else 1.0
 
 
 def embedding_group(recipe, mesh) -> dist.ProcessGroup | None:

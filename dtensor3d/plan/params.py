@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from ..config.low_precision import float8_all_gather, float8_weight
-from ..config.schema import stage_layers
+from ..config.schema import V_SCHEDULES, stage_layers
 from .schedule_model import rank_stages, stage_rank
 from .shapes import layer_of, param_shapes, tp_dim
 
@@ -101,9 +101,12 @@ def param_table(recipe) -> dict[str, dict]:
         out[name] = row | {"shape": _local_shape(recipe, name, shape)}
     if (m.tie_word_embeddings or m.num_nextn_predict_layers) and p.pp_enabled:
         # the last stage's copy of the embedding (parallel/tied.py): the tied head's, or MTP's
-        # (model.mtp_embed_tokens: the tied head's parameter where both)
+        # (model.mtp_embed_tokens: the tied head's parameter where both, except under a V
+        # schedule, where the tied head is a third copy: parallel/tied.py's `copies`)
         copy = out["model.embed_tokens.weight"] | {"stage": stage_rank(p, len(layers) - 1), "pp_stage": len(layers) - 1}
         out["model.mtp_embed_tokens.weight" if m.num_nextn_predict_layers else "lm_head.weight"] = copy
+        if m.tie_word_embeddings and m.num_nextn_predict_layers and p.pp_engine in V_SCHEDULES:
+            out["lm_head.weight"] = dict(copy)
     return out
 
 

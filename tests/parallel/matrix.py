@@ -157,6 +157,13 @@ OPTIONS = (
     # Multi-token prediction (models/mtp.py): one MTP module of the family's block kind; its tokens
     # k ahead cross cp's chunk edges, it lives on pp's last stage with a copy of the embedding
     Option("num_nextn_predict_layers", {"0": (), "1": ("model.num_nextn_predict_layers=1",)}, model=True),
+    # AdamW's moments and Muon's momentum (optimizer.state_dtype, training/optim_lowp.py): torchao's bf16
+    # or block-wise 8-bit states; each against its own 1-process run
+    Option(
+        "state_dtype",
+        {"float32": (), "bfloat16": ("optimizer.state_dtype=bfloat16",), "8bit": ("optimizer.state_dtype=8bit",)},
+        model=True,
+    ),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 EXPERTS = ("moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")  # the model values with experts
@@ -263,11 +270,6 @@ RULES = (
         "the V schedules' split backward cannot run compiled",
         ("pp", "compile"),
         lambda r: r["pp"] not in ("zbv", "dualpipev") or r["compile"] == "eager",
-    ),
-    Rule(
-        "MTP with a tied embedding under a V schedule (its first and last stage share a rank)",
-        ("num_nextn_predict_layers", "tied", "pp"),
-        lambda r: r["num_nextn_predict_layers"] == "0" or r["tied"] == "untied" or r["pp"] not in ("zbv", "dualpipev"),
     ),
     Rule("float8 computes in bf16", ("float8", "dtype"), lambda r: r["float8"] == "off" or r["dtype"] == "bfloat16"),
     Rule(

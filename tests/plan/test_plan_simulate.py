@@ -204,8 +204,17 @@ MESHES = {
         MOE,
         ["model.num_nextn_predict_layers=1", "parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2"],
     ),
-    # zbv untied (tied x V schedule x MTP is refused at the door: config/mtp_checks.py); tied at 1f1b
-    "mtp2_pp2_zbv": (PARITY, ["model.num_nextn_predict_layers=2", "parallelism.pp=2", "parallelism.pp_engine=zbv"]),
+    # tied at zbv: rank 0 holds three copies (the first stage's embedding, the last's MTP copy
+    # and head: parallel/tied.py's `copies`); tied at 1f1b: the MTP copy is the head's parameter
+    "mtp2_pp2_zbv_tied": (
+        PARITY,
+        [
+            "model.num_nextn_predict_layers=2",
+            "parallelism.pp=2",
+            "parallelism.pp_engine=zbv",
+            "model.tie_word_embeddings=true",
+        ],
+    ),
     "mtp2_pp2_1f1b_tied": (
         PARITY,
         ["model.num_nextn_predict_layers=2", "parallelism.pp=2", "model.tie_word_embeddings=true"],
