@@ -194,6 +194,34 @@ def generate_ids(
         ids = torch.tensor([[token]])
 
 
+def greedy_batch(step, new_cache, prompts: list[list[int]], max_new: int, done) -> list[list[int]]:
+    """Greedy tokens after each of `prompts`, all in one batch with one KV cache: the prompts
+    left-padded (KVCache.pad: their positions and masks per row), one forward for them all, then
+    one per new token of the rows not `done(i, tokens)` (a finished row leaves the cache).
+    `step(ids, cache)` -> the last position's logits [b, vocab]; `new_cache(pad)` -> a KVCache."""
+    import torch
+
+    width = max(map(len, prompts))
+    pads = [width - len(p) for p in prompts]
+    ids = torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)])  # padding: masked
+    cache = new_cache(torch.tensor(pads) if any(pads) else None)
+    out: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    for _ in range(max_new):
+        tokens = step(ids, cache).argmax(-1).tolist()
+        keep = []
+        for k, i in enumerate(live):
+            out[i].append(tokens[k])
+            if not done(i, out[i]):
+                keep.append(k)
+        if not keep:
+            break
+        if len(keep) < len(live):
+            cache.select(torch.tensor(keep))
+        live, ids = [live[k] for k in keep], torch.tensor([[tokens[k]] for k in keep])
+    return out
+
+
 def _drop_moe_records(model) -> None:
     """MoE layers keep one statistics record per forward for the trainer; none is wanted here."""
     for module in model.modules():

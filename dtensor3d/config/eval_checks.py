@@ -20,8 +20,8 @@ def installed(name: str) -> bool:
 
 def validate_eval(recipe) -> None:
     """eval.every without tasks (and tasks without every), a limit <= 0, a missing
-    include_path, lm-eval not installed, and the meshes in-loop evaluation does not run at."""
-    e, p = recipe.eval, recipe.parallelism
+    include_path, lm-eval not installed, data without a tokenizer (every mesh runs it)."""
+    e = recipe.eval
     if e.every < 0:
         raise RecipeError(f"eval.every={e.every} must be >= 0 (0: never)")
     if e.every and not e.tasks:
@@ -40,13 +40,6 @@ def validate_eval(recipe) -> None:
         raise RecipeError(
             f"eval.tasks={list(e.tasks)} needs lm-evaluation-harness; pip install 'dtensor3d[eval]' "
             "or remove eval.tasks"
-        )
-    busy = {axis: getattr(p, axis) for axis in ("pp", "cp") if getattr(p, axis) > 1}
-    if busy:
-        axis, size = next(iter(busy.items()))
-        raise RecipeError(
-            f"parallelism.{axis}={size}: eval.tasks runs in the loop at ep, dp and tp only so far; valid {axis}: 1 "
-            f"(or evaluate the checkpoints with `python -m dtensor3d eval`)"
         )
     if recipe.data.kind != "tokens":
         raise RecipeError(

@@ -1,13 +1,17 @@
 """Downstream evaluation inside the training loop (the recipe's `eval` section): the harness on
 the live model, every eval.every steps, on every rank of the mesh, with no checkpoint.
 
-The harness's ranks are the data-parallel ranks (the `dp_cp` view: cp is 1 here): each scores
-its share of the requests, and the tp ranks of one dp rank run the same requests through the
-model together (the same inputs, the logits gathered off the vocabulary shards). FSDP's
+The harness's ranks are the data-parallel ranks (the `dp_cp` view): each scores its share of
+the requests. The cp ranks are replicas here: each scores its own requests whole, with the
+single-device attention layout for the evaluation (`replica_layout`). The tp ranks of one dp
+rank run the same requests through the model together (the same inputs, the logits gathered
+off the vocabulary shards), and so do the pp ranks: the requests go through the stages in
+turn, point to point, the last stage's logits broadcast back (harness/stages.py). FSDP's
 gathers and tp's collectives need every rank in every forward, so the forwards go in lockstep:
 before each one the ranks agree (one all-reduce of one number) whether any still has work, and
 a rank whose share is done runs a one-row forward while another's is not (MeshRunner.drain).
-Generation recomputes the whole text per token (no KV cache on the sharded model).
+Generation is batched with a KV cache (generate.greedy_batch; left-padded), each forward
+right-padded to a length tp divides, the padding's keys dropped from the cache after it.
 
 Training goes on as if nothing ran: the RNG states (the harness seeds python, numpy and torch)
 are saved and put back, the model returns to train mode, and the MoE routing records of the
@@ -31,36 +35,63 @@ from ..mesh import mesh_axis
 class MeshRunner:
     """The live model's forward for the harness, in lockstep over the world (see the module docstring)."""
 
-    cached = False  # generation: a whole forward per token
-
     def __init__(self, state, compute_context):
         view = mesh_axis(state.mesh, "dp_cp")
         self.model, self.device, self.compute_context = state.model, state.device, compute_context
         self.group, self.rank, self.world_size = view.get_group(), view.get_local_rank(), view.size()
         self.divisor = state.recipe.parallelism.tp  # sequence parallelism: a length tp divides
+        self.chain = None
+        if getattr(state, "schedule", None) is not None:  # pp: the stages in turn (harness/stages.py)
+            from .stages import StageChain
+
+            self.chain = StageChain(state)
 
     def _agree(self, busy: bool) -> bool:
         flag = torch.tensor([float(busy)], device=self.device)
         dist.all_reduce(flag)
         return flag.item() > 0
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
+        """Float logits on the CPU of ids [b, s] (after `cache`'s tokens): [b, s, vocab], or
+        the last real position's [b, vocab]. Right-padded to a length tp divides (a causal
+        model's real positions see no padding; a cache forgets the padding's keys after)."""
         from torch.distributed.tensor import DTensor
 
         from ..generate import _drop_moe_records
 
         width = ids.shape[1]
-        ids = F.pad(ids, (0, -width % self.divisor))  # right padding: a causal model's real positions see none
+        extra = -width % self.divisor
+        ids = F.pad(ids, (0, extra)).to(self.device)
         with torch.no_grad(), self.compute_context():
-            out = self.model(ids.to(self.device))
+            if self.chain is not None:
+                out = self.chain.forward(ids, cache, width - 1 if last_only else None)
+                last_only = False  # taken already
+            else:
+                out = self.model(ids) if cache is None else self.model(ids, cache)
         if isinstance(out, DTensor):  # tp: the logits sharded on the vocabulary
             out = out.full_tensor()
+        if cache is not None:
+            cache.drop_last(extra)
         _drop_moe_records(self.model)
-        return out[:, :width].float().cpu()
+        if last_only:
+            out = out[:, width - 1]
+        elif out.dim() == 3:  # the chain took position width - 1 already where asked
+            out = out[:, :width]
+        return out.float().cpu()
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         self._agree(True)
         return self._forward(ids)
+
+    def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Generation: the last position's logits [b, vocab] of ids after `cache`'s tokens."""
+        self._agree(True)
+        return self._forward(ids, cache, last_only=True)
+
+    def new_cache(self, pad):
+        from ..models.layers import KVCache
+
+        return KVCache(None if pad is None else pad.to(self.device), spare=self.divisor - 1)
 
     def drain(self) -> None:
         """Run one-row forwards while another rank still has requests of this kind."""
@@ -93,6 +124,27 @@ def training_untouched(model):
         torch.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
+def replica_layout(model):
+    """Around an evaluation under cp: each cp rank a replica that scores its own requests whole,
+    so the attention modules' context-parallel layout (zig-zag chunks, K/V from the cp group)
+    gives way to the single-device one, and comes back after."""
+    from ..models.layers import SequenceLayout
+
+    swapped = [
+        (m, m.sequence)
+        for m in model.modules()
+        if isinstance(getattr(m, "sequence", None), SequenceLayout) and type(m.sequence) is not SequenceLayout
+    ]
+    for m, _ in swapped:
+        m.sequence = SequenceLayout()
+    try:
+        yield
+    finally:
+        for m, layout in swapped:
+            m.sequence = layout
 
 
 def flat_metrics(results: dict | None) -> dict:
@@ -128,7 +180,7 @@ class LiveEval:
         from .lm import Dtensor3dLM
 
         e = state.recipe.eval
-        with training_untouched(state.model):
+        with training_untouched(state.model), replica_layout(state.model):
             runner = MeshRunner(state, lambda: compute_context(state))
             lm = Dtensor3dLM(
                 runner=runner,

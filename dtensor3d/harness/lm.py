@@ -171,9 +171,8 @@ class Dtensor3dLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, cut at the first stop sequence (HFLM's rules): one request at a
-        time with generate's KV cache, or (the sharded model: no cache) batch_size requests of
-        the same stop strings and length per forward of the texts so far."""
+        """Greedy continuations, cut at the first stop sequence (HFLM's rules), batch_size
+        requests of the same stop strings and length at a time with a KV cache (`_greedy`)."""
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
@@ -186,7 +185,7 @@ class Dtensor3dLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_new = kwargs.pop("max_gen_toks")
             jobs.append((self.tok_encode(context, left_truncate_len=self.max_length - max_new), max_new, until))
-        tokens = [self._greedy(*job) for job in jobs] if self.runner.cached else self._greedy_batched(jobs)
+        tokens = self._greedy(jobs)
         out = []
         for req, (_, _, until), toks in zip(requests, jobs, tokens, strict=True):
             text = postprocess_generated_text(generation=self.tok_decode(toks), stop=until, think_end_token=None)
@@ -196,40 +195,28 @@ class Dtensor3dLM(TemplateLM):
         self.runner.drain()
         return out
 
-    def _greedy(self, prompt: list[int], max_new: int, until: list[str]) -> list[int]:
-        """Greedy tokens after `prompt` (generate's KV cache) up to the first stop string."""
-        from ..generate import generate_ids
+    def _greedy(self, jobs: list) -> list[list[int]]:
+        """Greedy tokens of every job, each cut after the first stop string: the jobs of the
+        same length and stop strings together, longest prompt first, batch_size per batch
+        (generate.greedy_batch: left-padded, one KV cache per batch)."""
+        from ..generate import greedy_batch
 
-        tokens: list[int] = []
-        for token in generate_ids(self.model, prompt, max_new, temperature=0.0):
-            tokens.append(token)
-            if any(stop in self.tok_decode(tokens) for stop in until):
-                break
-        return tokens
+        out: list = [None] * len(jobs)
+        groups: dict = {}
+        for i, (_, max_new, until) in enumerate(jobs):
+            groups.setdefault((max_new, tuple(until)), []).append(i)
+        for (max_new, until), members in groups.items():
+            members.sort(key=lambda i: -len(jobs[i][0]))
+            for start in range(0, len(members), self.batch_size):
+                batch = members[start : start + self.batch_size]
 
-    def _greedy_batched(self, jobs: list) -> list[list[int]]:
-        """Greedy tokens of every job without a cache: runs of consecutive jobs with the same
-        length and stop strings, batch_size at a time, each step one forward of the texts so far
-        (right-padded: a causal model's real positions see no padding)."""
-        import torch
+                def done(k, tokens, until=until):
+                    return any(stop in self.tok_decode(tokens) for stop in until)
 
-        out: list[list[int]] = [[] for _ in jobs]
-        start = 0
-        while start < len(jobs):
-            end = start + 1
-            while end < len(jobs) and end - start < self.batch_size and jobs[end][1:] == jobs[start][1:]:
-                end += 1
-            max_new, until, live = jobs[start][1], jobs[start][2], list(range(start, end))
-            for _ in range(max_new):
-                if not live:
-                    break
-                seqs = [jobs[i][0] + out[i] for i in live]
-                width, pad = max(map(len, seqs)), self.eot_token_id or 0
-                logits = self.runner.logits(torch.tensor([q + [pad] * (width - len(q)) for q in seqs]))
-                for k, i in enumerate(live):
-                    out[i].append(int(logits[k, len(seqs[k]) - 1].argmax()))
-                live = [i for i in live if not any(stop in self.tok_decode(out[i]) for stop in until)]
-            start = end
+                prompts = [jobs[i][0] for i in batch]
+                found = greedy_batch(self.runner.step, self.runner.new_cache, prompts, max_new, done)
+                for i, tokens in zip(batch, found, strict=True):
+                    out[i] = tokens
         return out
 
 
@@ -239,8 +226,6 @@ register_model("dtensor3d")(Dtensor3dLM)
 class LocalRunner:
     """The model whole in this process: the logits of a batch, and the harness's ranks as the
     default group's (each rank scores its share of the requests)."""
-
-    cached = True  # generation with generate's KV cache
 
     def __init__(self, model):
         self.model, self.group = model, None
@@ -255,6 +240,22 @@ class LocalRunner:
             out = self.model(ids).float()
         _drop_moe_records(self.model)
         return out
+
+    def step(self, ids, cache):
+        """The last position's logits [b, vocab] of `ids` after the tokens in `cache` (generation)."""
+        import torch
+
+        from ..generate import _drop_moe_records
+
+        with torch.no_grad():
+            out = self.model(ids, cache)[:, -1].float()
+        _drop_moe_records(self.model)
+        return out
+
+    def new_cache(self, pad):
+        from ..models.layers import KVCache
+
+        return KVCache(pad)
 
     def drain(self) -> None:
         pass

@@ -122,16 +122,23 @@ def sequence_mask(q: torch.Tensor, document_ids: torch.Tensor | None, window: in
 
 class KVCache:
     """Keys and values of the tokens already seen, per attention layer, for generation
-    (datasets-free, single device; generate.py is its user).
+    (datasets-free; generate.py and the harness are its users).
 
     Pass one KVCache to `LlamaForCausalLM.forward(ids, cache)`: each Attention appends its
     new keys/values (`update`), and the model then advances `length` by the new tokens, so
     the next call only runs the tokens after them. A layer with a sliding window keeps only
-    its last `window` - 1 keys between calls (all a later query can see): a rolling cache."""
+    its last `window` - 1 keys between calls (all a later query can see): a rolling cache.
 
-    def __init__(self):
+    A batch of prompts of different lengths is left-padded: `pad` [b] holds each row's count
+    of padding tokens in front. Row r's token at index j then has position j - pad[r] (RoPE),
+    and no real query sees a padding key (a padding query sees itself alone: no empty softmax
+    row). `spare`: extra keys a rolling cache keeps, for callers that append tokens and then
+    `drop_last` them (a sequence-parallel forward padded to a length tp divides)."""
+
+    def __init__(self, pad: torch.Tensor | None = None, spare: int = 0):
         self.length = 0  # tokens cached so far (the position of the next token)
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pad, self.spare = pad, spare
 
     def update(
         self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor, window: int | None = None
@@ -142,9 +149,25 @@ class KVCache:
         if old is not None:
             k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
         start = self.length - (0 if old is None else old[0].shape[2])
-        keep = k.shape[2] if window is None else min(k.shape[2], window - 1)
+        keep = k.shape[2] if window is None else min(k.shape[2], window - 1 + self.spare)
         self.layers[id(layer)] = (k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :])
         return k, v, start
+
+    def positions(self, new: int, device: torch.device) -> torch.Tensor:
+        """RoPE positions of the `new` tokens after the cached ones: [new], or [b, new] left-padded."""
+        index = torch.arange(self.length, self.length + new, device=device)
+        return index if self.pad is None else (index[None, :] - self.pad.to(device)[:, None]).clamp(min=0)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished generations leave the batch)."""
+        self.layers = {key: (k[rows], v[rows]) for key, (k, v) in self.layers.items()}
+        self.pad = None if self.pad is None else self.pad[rows]
+
+    def drop_last(self, n: int) -> None:
+        """Forget the last n tokens of every layer (and of the length)."""
+        if n:
+            self.layers = {key: (k[:, :, :-n], v[:, :, :-n]) for key, (k, v) in self.layers.items()}
+            self.length -= n
 
 
 def cached_attention(
@@ -154,14 +177,20 @@ def cached_attention(
     start: int = 0,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    pad: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [b, h, new, d] for the last `new` positions of k, v: [b, kv_h, total, d], whose
-    first is at position `start`; query i sees the keys `visible` to it (and the `sinks`)."""
+    first is at position `start`; query i sees the keys `visible` to it (and the `sinks`);
+    `pad` [b]: each row's left padding (KVCache), whose keys only a padding query sees (itself)."""
     new, total = q.shape[2], k.shape[2]
-    if new == total and start == 0 and sinks is None:
+    if new == total and start == 0 and sinks is None and pad is None:
         return causal_attention(q, k, v, window)
     query_pos = torch.arange(start + total - new, start + total, device=q.device)
-    mask = visible(query_pos, torch.arange(start, start + total, device=q.device), window)  # [new, total]
+    key_pos = torch.arange(start, start + total, device=q.device)
+    mask = visible(query_pos, key_pos, window)  # [new, total]
+    if pad is not None:  # [b, 1, new, total]
+        real = key_pos[None, :] >= pad.to(q.device)[:, None]  # [b, total]
+        mask = (mask[None] & (real[:, None, :] | (key_pos[None, :] == query_pos[:, None])[None]))[:, None]
     if sinks is not None:
         return sink_attention(q, k, v, sinks, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm") and not self.norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if cache is not None:
-            positions = torch.arange(cache.length, cache.length + q.shape[2], device=q.device)
+            positions = cache.positions(q.shape[2], q.device)
         elif position_ids is not None:
             positions = position_ids
         else:  # the whole sequence here, or this rank's part of it under context parallelism
@@ -98,7 +98,8 @@ class Attention(nn.Module):
         if cache is None:
             out = self.sequence.attention(q, k, v, document_ids, window=self.window, **_given(sinks=sinks))
         else:  # [b, h, s, d]
-            out = cached_attention(q, *cache.update(self, k, v, self.window), window=self.window, sinks=sinks)
+            kept = cache.update(self, k, v, self.window)
+            out = cached_attention(q, *kept, window=self.window, sinks=sinks, pad=cache.pad)
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
@@ -147,10 +148,10 @@ class DecoderLayer(nn.Module):
 
     def _forward(self, x: torch.Tensor, cache: KVCache | None = None, **docs: torch.Tensor) -> torch.Tensor:
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        # Training calls the attention with one positional input (the documents' ids as
-        # keywords): tensor parallelism's input styles (sequence parallelism's gather) are
-        # written for exactly that, and pass keywords through.
-        h = self.self_attn(h, **docs) if cache is None else self.self_attn(h, cache)
+        # Training calls the attention with one positional input (the documents' ids, and
+        # generation's cache, as keywords): tensor parallelism's input styles (sequence
+        # parallelism's gather) are written for exactly that, and pass keywords through.
+        h = self.self_attn(h, **docs) if cache is None else self.self_attn(h, cache=cache)
         if not self.after:
             x = x + h
             return x + self.feed_forward(self.post_attention_layernorm(x))

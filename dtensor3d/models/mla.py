@@ -67,7 +67,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [b, heads, s, nope], [b, heads, s, v]
         k_rot = k_rot.unsqueeze(1)  # [b, 1, s, rope]: one RoPE key for every head
         if cache is not None:
-            positions = torch.arange(cache.length, cache.length + x.shape[1], device=x.device)
+            positions = cache.positions(x.shape[1], x.device)
         elif position_ids is not None:
             positions = position_ids
         else:  # the whole sequence, or this rank's part of it under context parallelism
@@ -82,5 +82,5 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is None:
             out = self.sequence.attention(q, k, v, document_ids)  # [b, heads, s, v]
         else:
-            out = cached_attention(q, *cache.update(self, k, v))
+            out = cached_attention(q, *cache.update(self, k, v), pad=cache.pad)
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))

@@ -4,6 +4,8 @@
 - with `eval.every: 2`, `eval/<task>/<metric>` at steps 2 and 4 equal `dtensor3d eval` on the
   checkpoints of those steps (metrics.jsonl and W&B), and loss.svg gets a second panel;
 - the losses and gradient norms equal the same run without evals, bitwise;
+- at pp 2 (the requests through the stages, point to point; harness/stages.py) the same
+  metrics (accuracies exact, perplexities to 1e-6) and the world-1 run's losses, bitwise;
 - W&B offline: the run's history (read back from its .wandb file with wandb's own protobuf
   classes) holds every step's loss equal to metrics.jsonl, its config is the resolved recipe,
   loss.svg is among its files, and a resume from the step-4 checkpoint continues the same run id.
@@ -33,7 +35,7 @@ EVAL = ["eval.tasks=[d3d_doc_mc, d3d_doc_ppl]", "eval.every=2", "eval.limit=6", 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(root, with evals and W&B, without evals, the resumed W&B run's records)."""
+    """(root, with evals and W&B, without evals, the resumed W&B run's records, with evals at pp 2)."""
     root = tmp_path_factory.mktemp("inloop")
     prepare_words(root, "words", 12, 3)
     saved = {k: os.environ.get(k) for k in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_SILENT")}
@@ -52,14 +54,18 @@ def runs(tmp_path_factory):
         args = [PARITY, f"data.path={root / 'words'}", *BASE, "training.steps=4", f"logging.run_dir={plain}"]
         torchrun(1, ["-m", "dtensor3d", "train", *args])
         without = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
+        pp2 = root / "pp2"
+        args = [PARITY, f"data.path={root / 'words'}", *BASE, "training.steps=4", *EVAL, "parallelism.pp=2"]
+        torchrun(2, ["-m", "dtensor3d", "train", *args, f"logging.run_dir={pp2}"])
+        piped = [json.loads(line) for line in (pp2 / "metrics.jsonl").read_text().splitlines()]
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    return root, first, without, resumed
+    return root, first, without, resumed, piped
 
 
 def test_in_loop_evals_equal_the_eval_command_on_those_steps_checkpoints(runs):
-    root, first, _, _ = runs
+    root, first, *_ = runs
     evals = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in first}
     assert [s for s, e in evals.items() if e] == [2, 4], evals
     for step in (2, 4):
@@ -85,10 +91,27 @@ def test_in_loop_evals_equal_the_eval_command_on_those_steps_checkpoints(runs):
 
 
 def test_in_loop_evals_leave_training_bitwise_unchanged(runs):
-    _, first, without, _ = runs
+    _, first, without, *_ = runs
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in first] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in without
     ]
+
+
+def test_in_loop_evals_at_pp2_equal_world_1s(runs):
+    """pp 2 (1f1b): every request through both stages, point to point, the logits broadcast back:
+    the metrics of world 1 at steps 2 and 4 (accuracies exact; perplexities to 1e-6, the step-4
+    weights differing from world 1's in their last bits: pp's gradient norm sums in another
+    order), and the losses of world 1's run without evals, bitwise."""
+    _, first, without, _, piped = runs
+    assert [r["loss"] for r in piped] == [r["loss"] for r in without]
+    assert [r["grad_norm"] for r in piped] == pytest.approx([r["grad_norm"] for r in without], rel=1e-6)
+    for ours, ref in zip(piped, first, strict=True):
+        evals = {k: v for k, v in ref.items() if k.startswith("eval/")}
+        assert evals.keys() == {k for k in ours if k.startswith("eval/")}, (ours, ref)
+        for key, value in evals.items():
+            if key.endswith(("/acc", "/acc_norm")):
+                assert ours[key] == value, (ref["step"], key)
+            assert ours[key] == pytest.approx(value, rel=1e-6, abs=0), (ref["step"], key)
 
 
 def _wandb_records(path: Path):
@@ -119,7 +142,7 @@ def _key(item) -> str:
 
 
 def test_wandb_offline_history_config_files_and_resume(runs):
-    root, first, _, resumed = runs
+    root, first, _, resumed, _ = runs
     files = sorted((root / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2, files  # the first run and the resumed one
     history, ids, config = {}, set(), None

@@ -205,27 +205,39 @@ def test_moe_family_equals_hflm_on_the_export(tmp_path):
     assert requests == LIMIT * 4 + LIMIT + LIMIT and worst <= 1e-5 and metric_worst <= 1e-5, (worst, metric_worst)
 
 
-def test_batched_generation_without_a_cache_equals_hflm(checkpoint):
-    """The sharded model's generation path (no KV cache: batch_size requests per forward of the
-    texts so far, right-padded), here on the whole model in this process: every greedy
-    generation identical to HFLM's on the export."""
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-
+def test_batched_cached_generation_equals_one_prompt_at_a_time(checkpoint):
+    """generate.greedy_batch on prompts of different lengths (left-padded, one KV cache, finished
+    rows leaving the batch) against each prompt alone (no padding): every step's logits within
+    1e-6 relative to the row's largest logit (float32 rounding: SDPA's masked kernel against its
+    causal one) and every token identical."""
     from dtensor3d.checkpoint.hf import load_model
-    from dtensor3d.harness import evaluate
-    from dtensor3d.harness.lm import Dtensor3dLM, LocalRunner, hf_tokenizer
+    from dtensor3d.generate import greedy_batch
+    from dtensor3d.harness.lm import LocalRunner
 
-    class Uncached(LocalRunner):
-        cached = False
+    runner = LocalRunner(load_model(str(checkpoint / "ck")))
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 264, (n,)).tolist() for n in (9, 3, 17, 1)]
+    lengths = {0: 6, 1: 2, 2: 6, 3: 4}  # rows 1 and 3 finish early and leave the cache
 
-    ck = str(checkpoint / "ck")
-    ours = Dtensor3dLM(runner=Uncached(load_model(ck)), tokenizer=hf_tokenizer(ck), batch_size=4, max_length=256)
-    theirs = HFLM(pretrained=str(checkpoint / "export"), dtype="float32", batch_size=4, device="cpu")
-    a, b = (
-        evaluate(lm, ["d3d_doc_gen"], TaskManager(include_path=TASKS_DIR), limit=LIMIT, log_samples=True)
-        for lm in (ours, theirs)
-    )
-    texts = [_responses(r)["d3d_doc_gen"] for r in (a, b)]
-    assert len(texts[0]) == LIMIT and texts[0] == texts[1]
-    assert a["results"]["d3d_doc_gen"]["exact_match,none"] == b["results"]["d3d_doc_gen"]["exact_match,none"]
+    def recording(logs):
+        def step(ids, cache):
+            out = runner.step(ids, cache)
+            logs.append(out)
+            return out
+
+        return step
+
+    batched: list = []
+    found = greedy_batch(recording(batched), runner.new_cache, prompts, 6, lambda i, t: len(t) >= lengths[i])
+    live, worst = list(range(len(prompts))), 0.0
+    for i, prompt in enumerate(prompts):
+        alone: list = []
+        assert greedy_batch(
+            recording(alone), runner.new_cache, [prompt], 6, lambda _, t, i=i: len(t) >= lengths[i]
+        ) == [found[i]]
+        for t, logits in enumerate(alone):
+            row = [j for j in live if lengths[j] > t].index(i)
+            scale = float(logits[0].abs().max())
+            worst = max(worst, float((batched[t][row] - logits[0]).abs().max()) / scale)
+    print(f"\nbatched vs one at a time: max logit difference {worst:.2e} of the row's largest logit")
+    assert [len(t) for t in found] == [6, 2, 6, 4] and worst <= 1e-6, worst
