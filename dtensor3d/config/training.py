@@ -68,8 +68,10 @@ class OptimizerConfig:
     eps: float = knob(1e-8, "AdamW's epsilon")
     state_dtype: Literal["float32", "bfloat16", "8bit"] = knob(
         "float32",
-        "AdamW's moments: float32 (the only value built so far; bfloat16 and 8bit, torchao's low-precision "
-        "AdamW states, are refused at the door until they are)",
+        "AdamW's moments and Muon's momentum buffer: float32 (8 B a parameter for AdamW); bfloat16 (4 B, torchao's "
+        "AdamW with bf16 moments, rounded to nearest; weights stay fp32); 8bit (about 2 B: torchao's AdamW8bit, "
+        "uint8 codes and one fp32 scale per 256-element block, for parameters of >= 4096 elements whose blocks "
+        "are runs of the full tensor on every rank, fp32 moments for the rest); checkpoints keep them as they are",
     )
     clip_grad: float = knob(1.0, "clip the global gradient norm to this; 0: no clipping")
     warmup_steps: int = knob(0, "linear warmup steps to lr")

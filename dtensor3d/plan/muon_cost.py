@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .params import FP32, param_table, shard_numel
 from .shapes import param_shapes, tp_dim
+from .state_bytes import int8_savings
 
 BF16 = 2
 
@@ -63,10 +64,15 @@ def muon_stage(recipe) -> list[dict[str, int]]:
 
 
 def optimizer_bytes(recipe, stage: int, params: int, tensors: int) -> int:
-    """A rank's optimizer state: AdamW's two fp32 moments and step per parameter, or under
-    muon one fp32 momentum buffer (no step) for Muon's."""
-    adamw = 2 * params * FP32 + tensors * FP32
-    if recipe.optimizer.name != "muon":
-        return adamw
-    s = muon_stage(recipe)[stage]
-    return adamw - s["buffer_numel"] * FP32 - s["tensors"] * FP32
+    """A rank's optimizer state: AdamW's two moments and fp32 step per parameter, or under
+    muon one momentum buffer (no step) for Muon's; the moments in optimizer.state_dtype
+    (fp32 4 B an element, bf16 2 B, 8bit: plan/state_bytes.py's blocks)."""
+    width = BF16 if recipe.optimizer.state_dtype == "bfloat16" else FP32
+    adamw = 2 * params * width + tensors * FP32
+    if recipe.optimizer.name == "muon":
+        s = muon_stage(recipe)[stage]
+        adamw -= s["buffer_numel"] * width + s["tensors"] * FP32
+    if recipe.optimizer.state_dtype == "8bit":
+        muon = recipe.optimizer.name == "muon"
+        adamw -= int8_savings(recipe, stage, lambda name, shape: muon and is_muon(name, shape))
+    return adamw

@@ -44,9 +44,26 @@ def test_float8_without_bf16_is_one_error_line():
 
 @pytest.mark.parametrize("value", ["bfloat16", "8bit"])
 def test_low_precision_states_pass_the_door(value):
-    """No placement dtensor3d builds is refused for 8bit (config/low_precision.py's docstring)."""
-    for mesh in ([], ["parallelism.tp=2"], ["parallelism.dp=2", "parallelism.dp_mode=shard"]):
+    """Meshes whose shards are whole 256-element blocks (or any mesh, for bf16)."""
+    wide = ["model.hidden_size=512", "model.intermediate_size=1024"]  # o_proj / down_proj tp shards 256, 512 wide
+    for mesh in ([], [*wide, "parallelism.tp=2"], ["parallelism.dp=2", "parallelism.dp_mode=shard"]):
         assert load_recipe(PARITY, [f"optimizer.state_dtype={value}", *mesh]).optimizer.state_dtype == value
+    if value == "bfloat16":
+        assert load_recipe(PARITY, ["optimizer.state_dtype=bfloat16", "parallelism.tp=2"])
+
+
+@pytest.mark.parametrize(
+    "mesh, words",
+    [
+        (["parallelism.tp=2"], "with parallelism.tp=2: model.layers.0.self_attn.o_proj.weight's row-parallel shards"),
+        (["parallelism.dp=3", "training.global_batch_size=3"], "with FSDP over 3 ranks: model.embed_tokens.weight's"),
+    ],
+)
+def test_8bit_where_blocks_would_be_cut_is_one_error_line(mesh, words):
+    """torchao's step takes every placement (config/low_precision.py), but a shard that is not
+    whole blocks would keep fp32 moments where one process keeps 8-bit ones: refused."""
+    line = one_error_line(cli("validate", PARITY, "optimizer.state_dtype=8bit", *mesh))
+    assert "optimizer.state_dtype=8bit " + words in line and "state_dtype: bfloat16" in line, line
 
 
 def test_unknown_state_dtype_is_one_error_line():

@@ -157,13 +157,6 @@ OPTIONS = (
     # Multi-token prediction (models/mtp.py): one MTP module of the family's block kind; its tokens
     # k ahead cross cp's chunk edges, it lives on pp's last stage with a copy of the embedding
     Option("num_nextn_predict_layers", {"0": (), "1": ("model.num_nextn_predict_layers=1",)}, model=True),
-    # AdamW's moments and Muon's momentum (optimizer.state_dtype, training/optim_lowp.py): torchao's bf16
-    # or block-wise 8-bit states; each against its own 1-process run
-    Option(
-        "state_dtype",
-        {"float32": (), "bfloat16": ("optimizer.state_dtype=bfloat16",), "8bit": ("optimizer.state_dtype=8bit",)},
-        model=True,
-    ),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 EXPERTS = ("moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")  # the model values with experts
