@@ -7,10 +7,11 @@ CKPT: a step directory, a checkpoint directory (its newest step) or a Hugging Fa
 of a supported family; its tokenizer must be in or beside it. The harness's model class
 `dtensor3d` (Dtensor3dLM, registered with lm_eval's registry) scores requests with the
 single-device model: loglikelihood and loglikelihood_rolling batched (right-padded, so the
-causal model's real positions see no padding), generate_until greedy with a KV cache
-(generate.generate_ids). Tokenization is transformers.AutoTokenizer's, exactly as lm_eval's
-HFLM does it on the export, so the two score the same token ids. Under torchrun the harness
-splits the requests over the ranks (its own rank/world_size) and gathers the results on rank 0.
+causal model's real positions see no padding), generate_until greedy, batched with a KV cache
+(generate.greedy_batch: left-padded, per-row positions and masks). Tokenization is
+transformers.AutoTokenizer's, exactly as lm_eval's HFLM does it on the export, so the two score
+the same token ids. Under torchrun the harness splits the requests over the ranks (its own
+rank/world_size) and gathers the results on rank 0.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include-path", help="a directory of extra task YAML files")
     p.add_argument("--limit", type=float, help="at most this many documents per task (a fraction if < 1)")
-    p.add_argument("--batch-size", type=int, default=8, help="requests per forward (loglikelihood)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="requests per forward (loglikelihood; generation: per batch, with one KV cache)",
+    )
     p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--output", help="write the harness's results JSON here")
     p.add_argument("--tp", type=int, default=1, help="under torchrun: tensor-parallel size (dp = world / tp)")
