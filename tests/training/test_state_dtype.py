@@ -7,6 +7,7 @@ combination matrix's option `state_dtype`, tests/parallel/matrix.py.)"""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -100,13 +101,15 @@ def one_rank():
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("state_dtype", ["bfloat16", "8bit"])
-def test_states_saved_as_they_are_and_resumed_bitwise(state_dtype, one_rank, tmp_path):
+@pytest.mark.parametrize("state_dtype, optimizer", [("bfloat16", "adamw"), ("8bit", "muon")])
+def test_states_saved_as_they_are_and_resumed_bitwise(state_dtype, optimizer, one_rank, tmp_path):
     """Three steps, a save after the second, a resume (checkpoint.resume: auto) that takes
     the third again: loss and every weight bitwise; on disk the moments are bf16, or uint8
-    codes beside "<key>_scale" fp32 block scales (the 4 096-element q_proj: 16 blocks)."""
+    codes beside "<key>_scale" fp32 block scales (muon: the 4 096-element q_proj's momentum
+    buffer, 16 blocks; the embedding's AdamW moments, 64)."""
     base = ["model.num_hidden_layers=1", "training.eval_every=0", "training.micro_batch_size=2", "training.steps=3"]
-    given = [*base, f"optimizer.state_dtype={state_dtype}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    given = [*base, f"optimizer.state_dtype={state_dtype}", f"optimizer.name={optimizer}"]
+    given += [f"checkpoint.dir={tmp_path / 'ck'}"]
     given += ["checkpoint.async_save=false"]
     recipe = load_recipe(PARITY, [*given, "checkpoint.resume=none"])
     state = setup(recipe)
@@ -123,12 +126,13 @@ def test_states_saved_as_they_are_and_resumed_bitwise(state_dtype, one_rank, tmp
     for (name, a), b in zip(state.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
     index = json.loads((tmp_path / "ck" / "step_00000002" / "state.json").read_text())["tensors"]["optim"]
-    q = "model.layers.0.self_attn.q_proj.weight"
-    with safe_open(str(tmp_path / "ck" / "step_00000002" / index[f"{q}.exp_avg"]["slices"][0]["file"]), "pt") as f:
-        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys() if k.startswith(q)}
+    q, e = "model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"
+    with safe_open(os.path.join(step_dir, index[f"{q}.exp_avg" if optimizer == "adamw" else f"{e}.exp_avg"]
+                                ["slices"][0]["file"]), "pt") as f:  # fmt: skip
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     if state_dtype == "8bit":
-        assert dtypes[f"{q}.exp_avg"] == "U8" and dtypes[f"{q}.exp_avg_sq_scale"] == "F32", dtypes
-        assert index[f"{q}.exp_avg_scale"]["shape"] == [16]
+        assert dtypes[f"{q}.momentum_buffer"] == dtypes[f"{e}.exp_avg_sq"] == "U8", dtypes
+        assert dtypes[f"{q}.momentum_buffer_scale"] == dtypes[f"{e}.exp_avg_scale"] == "F32", dtypes
+        assert index[f"{q}.momentum_buffer_scale"]["shape"] == [16] and index[f"{e}.exp_avg_scale"]["shape"] == [64]
     else:
         assert dtypes[f"{q}.exp_avg"] == dtypes[f"{q}.exp_avg_sq"] == "BF16", dtypes
-    assert step_dir
