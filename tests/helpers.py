@@ -34,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dtensor3d.config.schema import stage_layers
+from dtensor3d.config.schema import V_SCHEDULES, stage_layers
 from dtensor3d.models import build_on_meta
 from dtensor3d.plan.schedule_model import stage_rank
 
@@ -332,8 +332,8 @@ def check_layout(run_dir: Path, recipe) -> int:
         del full["lm_head.weight"]  # one parameter; under pp the last stage holds its own copy
     if cfg.num_nextn_predict_layers and p.pp > 1:  # MTP's copy of the embedding on the last stage
         full["model.mtp_embed_tokens.weight"] = full["model.embed_tokens.weight"]
-        if cfg.tie_word_embeddings:
-            del full["lm_head.weight"]  # the tied head is that copy: one parameter there
+        if cfg.tie_word_embeddings and p.pp_engine not in V_SCHEDULES:
+            del full["lm_head.weight"]  # the tied head is that copy: one parameter there (a V: a third copy)
     sizes, files = mesh_sizes(p), sorted((run_dir / "layout").glob("rank*.json"))
     assert len(files) == p.world_size, files
     for f in files:
