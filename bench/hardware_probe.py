@@ -4,8 +4,9 @@
 
 One thread (bench/throughput.py runs each rank with OMP_NUM_THREADS=1), fp32 (CPU training's
 dtype): the matmul rate on the bench model's GEMM shapes, the streaming bandwidth of an
-elementwise op, the per-op cost of eager dispatch with autograd, and gloo's latency and
-bandwidth between two local processes. Prints the measured values beside the table's.
+elementwise op, the per-op cost of eager dispatch with autograd, the host time a tp-sharded
+linear adds (DTensor), and gloo's latency, core time and bandwidth between two local
+processes. Prints the measured values beside the table's.
 """
 
 from __future__ import annotations
@@ -65,11 +66,13 @@ def _gloo(rank: int, path: str, out: str) -> None:
     small, big = torch.zeros(1), torch.zeros(1 << 20)  # 4 B and 4 MiB
     for t in (small, big):
         dist.all_reduce(t)
+    cpu = time.process_time()
     lat = statistics.median(_timed(lambda: dist.all_reduce(small)) for _ in range(200))
+    cpu = (time.process_time() - cpu) / 200  # the core time of one step, this rank's (a blocked wait uses none)
     bw = statistics.median(_timed(lambda: dist.all_reduce(big)) for _ in range(10))
     if rank == 0:
         with open(out, "w") as f:
-            f.write(f"{lat} {bw}")
+            f.write(f"{lat} {bw} {cpu}")
     dist.destroy_process_group()
 
 
@@ -79,14 +82,65 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def gloo_latency_and_gbps() -> tuple[float, float]:
-    """(seconds of a 4-byte all-reduce, GB/s of a 4 MiB all-reduce's wire bytes) between two processes."""
+def gloo_latency_and_gbps() -> tuple[float, float, float]:
+    """(seconds of a 4-byte all-reduce, GB/s of a 4 MiB all-reduce's wire bytes, core seconds
+    of the 4-byte all-reduce in one of the two processes)."""
     path, out = tempfile.mktemp(), tempfile.mktemp()
     mp.spawn(_gloo, args=(path, out), nprocs=2)
-    lat, seconds = map(float, open(out).read().split())
+    lat, seconds, cpu = map(float, open(out).read().split())
     os.unlink(out)
     wire = 2 * (1 << 22) * (2 - 1) / 2  # ring all-reduce: 2 (n - 1) / n of the tensor
-    return lat, wire / (seconds - lat) / 1e9
+    return lat, wire / (seconds - lat) / 1e9, cpu
+
+
+def _microbatch_cpu(model, ids, sharded: bool) -> float:
+    """Core seconds of one forward and backward (the loss: loss_parallel where sharded)."""
+    import contextlib
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def step():
+        with loss_parallel() if sharded else contextlib.nullcontext():
+            logits = model(ids[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+
+    step()
+    times = []
+    for _ in range(5):
+        start = time.process_time()
+        step()
+        times.append(time.process_time() - start)
+    return min(times)
+
+
+def tp_linear_us() -> float:
+    """The host time a tp-sharded linear adds (forward with backward): the bench model's
+    microbatch with tp's plan on a one-rank mesh (the same FLOPs: DTensor wrapping, the
+    ParallelStyle hooks, loss_parallel) minus the plain model's, per sharded linear."""
+    from common import bench_recipe
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtensor3d.models import build_on_meta, materialize
+    from dtensor3d.models.layers import ModelHooks
+    from dtensor3d.parallel.shards import init_weights
+    from dtensor3d.parallel.tensor import apply_tp, vocab_layout
+    from dtensor3d.plan.perf_compute import tp_linears
+
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    recipe, cpu = bench_recipe([], "cpu"), {}
+    ids = torch.randint(
+        0, recipe.model.vocab_size, (recipe.training.micro_batch_size, recipe.training.sequence_length + 1)
+    )
+    for sharded in (False, True):
+        model = build_on_meta(recipe.model, hooks=ModelHooks(vocab_layout=vocab_layout))
+        if sharded:
+            apply_tp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), recipe.parallelism)
+        model = materialize(model, "cpu")
+        init_weights(model, 0)
+        cpu[sharded] = _microbatch_cpu(model, ids, sharded)
+    dist.destroy_process_group()
+    linears = recipe.model.num_hidden_layers * tp_linears(recipe, False) + 2  # and the embedding, the head
+    return (cpu[True] - cpu[False]) / linears * 1e6
 
 
 def main() -> None:
@@ -96,12 +150,14 @@ def main() -> None:
     from dtensor3d.plan.perf_compute import HBM_EFF, MATMUL_EFF
 
     hw = lookup("cpu-gloo")
-    gflops, gbps, op = matmul_gflops(), stream_gbps(), op_overhead_us()
-    lat, link = gloo_latency_and_gbps()
+    gflops, gbps, op, tp_op = matmul_gflops(), stream_gbps(), op_overhead_us(), tp_linear_us()
+    lat, link, lat_cpu = gloo_latency_and_gbps()
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
+    print(f"tp-sharded linear's host time {tp_op:.0f} us (table tp_linear_us {hw.tp_linear_us})")
     print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us (table {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
+    print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us (table {hw.collective_cpu_us})")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,14 @@ FIELDS = (
     "collective_latency_us",
     "attention_fraction",
 )
+OPTIONAL = (
+    "cores_per_node",
+    "op_overhead_us",
+    "tp_linear_us",
+    "collective_cpu_us",
+    "fsdp_unit_us",
+    "dtensor_param_us",
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,10 @@ class Hardware:
     attention_fraction: float
     cores_per_node: int = 0  # CPU: the node's ranks share these cores (0: one device per rank)
     op_overhead_us: float = 0.0  # CPU: eager dispatch of one op with its backward (GPUs: hidden, the host runs ahead)
+    tp_linear_us: float = 0.0  # CPU: the host cost a tp-sharded linear adds, forward with backward (DTensor)
+    collective_cpu_us: float = 0.0  # CPU: the core time one collective step costs each member (loopback send + receive)
+    fsdp_unit_us: float = 0.0  # CPU: FSDP2's hooks per unit and microbatch, forward with backward
+    dtensor_param_us: float = 0.0  # CPU: what AdamW's step adds per DTensor parameter (FSDP or tp)
     source: str = ""
 
 
@@ -55,7 +67,7 @@ def _entry(name: str, raw, where: str) -> Hardware:
             f"{where}: hardware {name!r} lacks {', '.join(missing)}; every entry gives {', '.join(FIELDS)}"
         )
     values = {}
-    for f in (*FIELDS, "cores_per_node", "op_overhead_us"):
+    for f in (*FIELDS, *OPTIONAL):
         if f not in raw:
             continue
         v = raw[f]

@@ -18,14 +18,20 @@ Per pp rank and step (m microbatches):
   under pp or `never`: behind the first microbatch's forward) and its reduce-scatter runs
   behind the last microbatch's backward, one unit's share always exposed;
 - the pipeline: the busiest rank's busy time stretched by the schedule's bubble
-  (schedule_model.bubble_fraction), then FSDP's exposed share and the optimizer step.
+  (schedule_model.bubble_fraction), then FSDP's exposed share and the optimizer step;
+- a CPU entry (cores_per_node) whose node holds more ranks than cores: the cores run every
+  rank's work in turn (a rank blocked in a collective or idle in the bubble gives its core
+  away), so the step is at least the node's summed core time over its cores (core_seconds:
+  compute, host dispatch -- eager ops, tp's DTensor linears, FSDP2's hooks, the optimizer's
+  DTensor parameters -- and the collectives' core time: the loopback's copies and each
+  step's send and receive). Those host costs are the CPU entry's fields (hardware.yaml);
+  a GPU's host runs ahead of it, so they are 0 there.
 
 Global constants (the only calibration): perf_compute.MATMUL_EFF, HBM_EFF, LINK_EFF here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 
@@ -33,7 +39,7 @@ from .collectives import comm_bytes
 from .estimate import estimate, flops_per_step, resolve_reshard
 from .memory import bubble_fraction
 from .params import rank_parts
-from .perf_compute import float8_on, optimizer_seconds, rank_seconds
+from .perf_compute import float8_on, optimizer_seconds, rank_seconds, tp_linears
 from .reshard import hardware_bytes
 
 LINK_EFF = 0.80  # share of a link's bandwidth NCCL's rings reach (nccl-tests bus bandwidth)
@@ -93,7 +99,7 @@ def _calls(recipe, part) -> dict[str, int]:
     again = 1 + (p.recompute != "none") / 2
     units = -(-layers // p.fsdp_bucket_layers) + 1
     return {
-        "tp": int(8 * layers * m * again) if p.tp_enabled else 0,
+        "tp": int((8 if p.sequence_parallel else 4) * layers * m * again) if p.tp_enabled else 0,
         "cp": int(2 * layers * m * again) if p.cp_enabled else 0,
         "ep": int(4 * moe * m * again) if p.ep_enabled else 0,
         "pp": 2 * m if p.pp_enabled else 0,
@@ -102,8 +108,8 @@ def _calls(recipe, part) -> dict[str, int]:
     }
 
 
-def comm_seconds(recipe, hw, nodes: int) -> list[dict[str, float]]:
-    """Per pp rank: seconds per step of each dim's collectives (wire time plus latency)."""
+def _comm_parts(recipe, hw, nodes: int) -> list[dict[str, tuple[float, int]]]:
+    """Per pp rank and dim: (wire seconds per step, collective steps per step: calls x hops)."""
     p = recipe.parallelism
     dims, world = p.dims, p.world_size
     out = []
@@ -114,11 +120,16 @@ def comm_seconds(recipe, hw, nodes: int) -> list[dict[str, float]]:
             if dim == "pp":
                 n = 2 if p.pp_enabled else 1
             hops = math.ceil(math.log2(max(n, 2)))
-            row[dim] = collective_seconds(kinds, n, bw) + (calls[dim] * hops * hw.collective_latency_us * 1e-6) * (
-                n > 1
-            )
+            row[dim] = (collective_seconds(kinds, n, bw), calls[dim] * hops * (n > 1))
         out.append(row)
     return out
+
+
+def comm_seconds(recipe, hw, nodes: int, per_step_us: float | None = None) -> list[dict[str, float]]:
+    """Per pp rank: seconds per step of each dim's collectives: wire time plus each step's
+    latency (`per_step_us`: another cost per step, the CPU entries' core time)."""
+    us = hw.collective_latency_us if per_step_us is None else per_step_us
+    return [{d: wire + steps * us * 1e-6 for d, (wire, steps) in row.items()} for row in _comm_parts(recipe, hw, nodes)]
 
 
 def _dp_exposed(recipe, comm: dict, compute: dict, units: int) -> float:
@@ -147,28 +158,39 @@ def rank_terms(recipe, hw, part, comm: dict, params: int, fp8: bool, sac_matmuls
     if p.pp_engine == "dualpipev" and p.pp_enabled:  # a forward's all-to-all behind another microbatch's backward
         ep = max(0.0, ep - sum(terms.values()))
     units = -(-len(part.layers) // p.fsdp_bucket_layers) + 1
+    if p.fsdp_enabled:  # FSDP2's hooks, each unit and microbatch (CPU: fsdp_unit_us)
+        terms["host_s"] += m * units * hw.fsdp_unit_us * 1e-6
     terms |= {"tp_s": tp, "cp_s": comm["cp"], "ep_s": ep, "pp_s": comm["pp"]}
     terms["busy_s"] = sum(terms.values())
     terms["dp_s"] = comm["dp"]
     terms["dp_exposed_s"] = _dp_exposed(recipe, comm, mb, units)
-    terms["optimizer_s"] = optimizer_seconds(params, hw) + comm["world"]
+    terms["optimizer_s"] = optimizer_seconds(params, hw, dtensor_params(recipe, part)) + comm["world"]
     return terms
 
 
-def per_rank_hardware(hw, recipe, nodes: int):
-    """A CPU entry (cores_per_node) divides its node's cores among the node's ranks."""
-    if not hw.cores_per_node:
-        return hw
-    share = min(1.0, hw.cores_per_node / (recipe.parallelism.world_size / nodes))
-    return dataclasses.replace(
-        hw,
-        bf16_tflops=hw.bf16_tflops * share,
-        fp8_tflops=hw.fp8_tflops * share,
-        hbm_gbps=hw.hbm_gbps * share,
-        op_overhead_us=hw.op_overhead_us / share,
-        intra_node_gbps=hw.intra_node_gbps * share,
-        collective_latency_us=hw.collective_latency_us / share,
-    )
+def dtensor_params(recipe, part) -> int:
+    """The parameter tensors a rank's optimizer steps as DTensors (FSDP or tp: 0 otherwise): a
+    decoder layer's linears and two norms (a MoE layer's experts counted as a dense MLP's
+    three), the embedding, the final norm and the head."""
+    p = recipe.parallelism
+    if not (p.fsdp_enabled or p.tp_enabled):
+        return 0
+    return len(part.layers) * (tp_linears(recipe, False) + 2) + part.first + 2 * part.last
+
+
+def core_seconds(recipe, hw, nodes: int, rows: list[dict]) -> float:
+    """A CPU entry (cores_per_node): the core time per step of the ranks one node holds, each
+    pp rank's rows' compute and host time, its optimizer, and its collectives' core time (the
+    loopback's copies -- the wire time -- and each step's send and receive, collective_cpu_us;
+    a rank blocked in a collective or in the bubble uses no core: another rank runs)."""
+    p = recipe.parallelism
+    core = comm_seconds(recipe, hw, nodes, hw.collective_cpu_us)
+    work = 0.0
+    stages = estimate(recipe, resolve=False)["stages"]
+    for part, row, c, stage in zip(rank_parts(recipe), rows, core, stages):
+        optimizer = optimizer_seconds(stage["params"], hw, dtensor_params(recipe, part))
+        work += sum(row[k] for k in COMPUTE) + sum(c.values()) + optimizer
+    return work * (p.world_size // nodes) / p.pp
 
 
 ADVICE = {
@@ -185,7 +207,9 @@ ADVICE = {
     "dp_exposed_s": "data-parallel communication: larger fsdp_bucket_layers, fsdp_reshard_after_forward never, "
     "dp_mode hybrid (HSDP) within nodes",
     "optimizer_s": "the optimizer step: more ranks to shard it over (FSDP)",
+    "shared_cores_s": "the node's ranks outnumber its cores and wait for one: fewer ranks per node, or more cores",
 }
+COMPUTE = ("matmul_s", "attention_s", "memory_s", "host_s")
 
 
 def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: float = 0.0) -> dict:
@@ -195,23 +219,26 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
     recipe, reshard = resolve_reshard(recipe, hardware_bytes(hw, recipe, nodes))  # fsdp_reshard_after_forward auto
     p, t = recipe.parallelism, recipe.training
     fp8 = float8_on(recipe) if float8 is None else float8
-    world, hw_rank = p.world_size, per_rank_hardware(hw, recipe, nodes)
+    world = p.world_size
     est = estimate(recipe, resolve=False)
-    comm = comm_seconds(recipe, hw_rank, nodes)
+    comm = comm_seconds(recipe, hw, nodes)
     rows = []
     for part, c, row in zip(rank_parts(recipe), comm, est["stages"]):
-        terms = rank_terms(recipe, hw_rank, part, c, row["params"], fp8, sac_matmuls)
+        terms = rank_terms(recipe, hw, part, c, row["params"], fp8, sac_matmuls)
         rows.append({"stage": part.rank, **{k: round(v, 9) for k, v in terms.items()}})
     bubble = bubble_fraction(recipe)
     busy = max(r["busy_s"] for r in rows)
     makespan = busy / (1 - bubble)
     tail = max(r["dp_exposed_s"] + r["optimizer_s"] for r in rows)
-    step = makespan + tail
+    oversubscribed = hw.cores_per_node and world // nodes > hw.cores_per_node
+    cores = core_seconds(recipe, hw, nodes, rows) / hw.cores_per_node if oversubscribed else 0.0
+    step = max(makespan + tail, cores)
     tokens = t.global_batch_size * t.sequence_length
     flops = flops_per_step(recipe)
     slow = max(rows, key=lambda r: r["busy_s"])
     parts = {k: slow[k] for k in ("matmul_s", "attention_s", "memory_s", "host_s", "tp_s", "cp_s", "ep_s", "pp_s")}
     parts |= {"bubble_s": makespan - busy, "dp_exposed_s": slow["dp_exposed_s"], "optimizer_s": slow["optimizer_s"]}
+    parts["shared_cores_s"] = max(0.0, step - makespan - tail)
     bound = max(parts, key=parts.get)
     return {
         "hardware": hw.name,

@@ -134,19 +134,33 @@ def layer_seconds(recipe, hw, layer: int, fp8: bool, sac_matmuls: float = 0.0) -
         mem += casts / (_bandwidth(hw) * HBM_EFF) / 3  # the forward's third; x3 below
     again = {"none": (0, 0, 0), "selective": (sac_matmuls, 0, 1), "full": (1, 1, 1)}[p.recompute]
     ops = LAYER_OPS[1 if recipe.training.compile else 0] * (1 + again[2])
+    sharded = tp_linears(recipe, moe) * (1 + again[2]) if p.tp_enabled else 0
     return {
         "matmul_s": mm * (3 + again[0]),
         "attention_s": attn * (3.5 + again[1]),
         "memory_s": mem * (3 + again[2]),
-        "host_s": ops * hw.op_overhead_us * 1e-6,
+        "host_s": (ops * hw.op_overhead_us + sharded * hw.tp_linear_us) * 1e-6,
     }
+
+
+def tp_linears(recipe, moe: bool) -> int:
+    """A decoder layer's tp-sharded linears (parallel/tensor.py's plan): attention's q, k, v
+    and o (MLA: q or q_b, kv_b, o), a dense MLP's gate, up and down; a MoE layer's experts
+    stay whole per tp rank."""
+    return (3 if recipe.model.mla else 4) + (0 if moe else 3)
 
 
 def rank_seconds(recipe, hw, part: Part, fp8: bool, sac_matmuls: float = 0.0) -> dict[str, float]:
     """One microbatch through every stage of pp rank `part`: matmul, attention and memory
     seconds (forward, backward, recompute), with the embedding, the head and the loss."""
     z = sizes(recipe)
-    out = {"matmul_s": 0.0, "attention_s": 0.0, "memory_s": 0.0, "host_s": OUTER_OPS * hw.op_overhead_us * 1e-6}
+    outer = (part.first + part.last) * hw.tp_linear_us if recipe.parallelism.tp_enabled else 0.0  # embedding, head
+    out = {
+        "matmul_s": 0.0,
+        "attention_s": 0.0,
+        "memory_s": 0.0,
+        "host_s": (OUTER_OPS * hw.op_overhead_us + outer) * 1e-6,
+    }
     for layer in part.layers:
         for key, s in layer_seconds(recipe, hw, layer, fp8, sac_matmuls).items():
             out[key] += s
@@ -159,7 +173,8 @@ def rank_seconds(recipe, hw, part: Part, fp8: bool, sac_matmuls: float = 0.0) ->
     return out
 
 
-def optimizer_seconds(params: int, hw) -> float:
+def optimizer_seconds(params: int, hw, dtensors: int = 0) -> float:
     """AdamW over this rank's fp32 parameters: read p, g, m, v and write p, m, v (28 B), the
-    gradient norm's read (4 B)."""
-    return params * 32 / (_bandwidth(hw) * HBM_EFF)
+    gradient norm's read (4 B); on a CPU entry each of `dtensors` DTensor parameters adds its
+    ops' dispatch (dtensor_param_us)."""
+    return params * 32 / (_bandwidth(hw) * HBM_EFF) + dtensors * hw.dtensor_param_us * 1e-6
