@@ -25,6 +25,16 @@ def quantised(t: torch.Tensor) -> bool:
     return hasattr(local(t), "codes")
 
 
+def new_state(optimizer, p: torch.Tensor, key: str) -> torch.Tensor:
+    """The zero state `key` the optimizer would make for `p` (a checkpoint fills it in): a
+    moment or Muon's momentum buffer in optimizer.state_dtype (optim_lowp's `_new_buffer`:
+    bf16, torchao's 8-bit blocks); fp32 for torch's AdamW."""
+    inner = getattr(optimizer, "adamw", optimizer)  # training/muon.py's MuonAdamW keeps its AdamW here
+    if hasattr(inner, "_new_buffer"):
+        return inner._new_buffer(p, key != "exp_avg_sq")
+    return torch.zeros_like(p)
+
+
 def _flat_index(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Global flat indices of the local elements at local flat `positions`."""
     idx, shape = held_indices(t), list(t.shape)

@@ -20,14 +20,13 @@ import torch.distributed as dist
 from ..config.lr import keep_curve_advice, lr_at
 from ..errors import RESIZE_CAUSE, CheckpointError, UserError, is_rank0
 from ..models import stored_name
-from ..training.optim import new_state
 from .check import check_checkpoint, check_trajectory
 from .find import resume_target
 from .format import STATE, DamagedCheckpoint, corrupt, read_manifest, sha256_file
 from .hf import check_hf_init, load_params
 from .hf_names import HFSlices
 from .lock import LOCK, check_lock, held_by_this_job, read_lock
-from .optim_state import SCALE, load_state
+from .optim_state import SCALE, load_state, new_state
 from .slices import SliceReader
 
 

@@ -6,7 +6,8 @@ ranks: Shard(0), Shard(1), Replicate and FSDP-over-tp's _StridedShard: each step
 one-process step bitwise). What it cannot hold is a parameter whose 256-element blocks a mesh
 cuts across: a row-parallel tp shard narrower than a block, an FSDP chunk that is not whole
 blocks. Its moments would stay fp32 there (training/optim_lowp.py's blocks_align) while one
-process keeps them in 8 bits, so the door refuses that pair (plan/state_bytes.py's misaligned)."""
+process keeps them in 8 bits, so the door refuses that pair (plan/state_bytes.py's check_blocks,
+called by `validate` and `train` with the other checks that need the model's shapes)."""
 
 from __future__ import annotations
 
@@ -46,16 +47,6 @@ def validate_low_precision(recipe) -> None:
     state = recipe.optimizer.state_dtype
     if state != "float32" and importlib.util.find_spec("torchao") is None:  # training/optim_lowp.py
         raise RecipeError(f"optimizer.state_dtype={state}: needs torchao (pip install torchao); float32 does not")
-    if state == "8bit":
-        from ..plan.state_bytes import misaligned
-
-        where = misaligned(recipe)
-        if where:
-            raise RecipeError(
-                f"optimizer.state_dtype=8bit with {where}, not whole 256-element blocks of the full tensor: "
-                "torchao's 8-bit states there would be cut into other blocks than one process's; valid: a mesh "
-                "whose shards are whole blocks, or state_dtype: bfloat16"
-            )
 
 
 def _validate_float8(f8: dict, dtype: str) -> None:

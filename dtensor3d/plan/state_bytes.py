@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from ..errors import RecipeError
 from .params import FP32, param_table, shard_numel
 from .shapes import param_shapes
 
@@ -64,3 +65,14 @@ def misaligned(recipe) -> str | None:
         rows = -(-piece[0] // group)
         return f"FSDP over {group} ranks: {name}'s chunks of {rows} x {math.prod(piece[1:])} elements"
     return None
+
+
+def check_blocks(recipe) -> None:
+    """The door's check of optimizer.state_dtype: 8bit on this mesh (misaligned): one RecipeError."""
+    where = misaligned(recipe) if recipe.optimizer.state_dtype == "8bit" else None
+    if where:
+        raise RecipeError(
+            f"optimizer.state_dtype=8bit with {where}, not whole 256-element blocks of the full tensor: "
+            "torchao's 8-bit states there would be cut into other blocks than one process's; valid: a mesh "
+            "whose shards are whole blocks, or state_dtype: bfloat16"
+        )

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr
 
+from ..checkpoint.optim_state import new_state
 from ..parallel.shards import local
 from .muon_owners import orthogonalise, plan_units
-from .optim import new_state
 
 ROUTER_GATE = ".gate.weight"  # a MoE layer's router (models/moe.py); the MLP's is gate_proj
 

@@ -43,16 +43,6 @@ def adamw(params: list[torch.Tensor], opt) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
 
 
-def new_state(optimizer, p: torch.Tensor, key: str) -> torch.Tensor:
-    """The zero state `key` the optimizer would make for `p` (a checkpoint fills it in): a
-    moment or Muon's momentum buffer in optimizer.state_dtype (optim_lowp's `_new_buffer`:
-    bf16, torchao's 8-bit blocks); fp32 for torch's AdamW."""
-    inner = getattr(optimizer, "adamw", optimizer)  # training/muon.py's MuonAdamW keeps its AdamW here
-    if hasattr(inner, "_new_buffer"):
-        return inner._new_buffer(p, key != "exp_avg_sq")
-    return torch.zeros_like(p)
-
-
 def replication(p: torch.Tensor, world_size: int, pp: int) -> int:
     """How many ranks hold an identical copy of this parameter's local piece."""
     distinct = pp  # stages hold different parameters

@@ -6,6 +6,7 @@ from helpers import PARITY, cli, one_error_line
 
 from dtensor3d.config.load import load_recipe
 from dtensor3d.errors import RecipeError
+from dtensor3d.plan.state_bytes import check_blocks
 
 BF16 = "training.dtype=bfloat16"
 
@@ -47,9 +48,10 @@ def test_low_precision_states_pass_the_door(value):
     """Meshes whose shards are whole 256-element blocks (or any mesh, for bf16)."""
     wide = ["model.hidden_size=512", "model.intermediate_size=1024"]  # o_proj / down_proj tp shards 256, 512 wide
     for mesh in ([], [*wide, "parallelism.tp=2"], ["parallelism.dp=2", "parallelism.dp_mode=shard"]):
-        assert load_recipe(PARITY, [f"optimizer.state_dtype={value}", *mesh]).optimizer.state_dtype == value
+        recipe = load_recipe(PARITY, [f"optimizer.state_dtype={value}", *mesh])
+        assert recipe.optimizer.state_dtype == value and check_blocks(recipe) is None
     if value == "bfloat16":
-        assert load_recipe(PARITY, ["optimizer.state_dtype=bfloat16", "parallelism.tp=2"])
+        assert check_blocks(load_recipe(PARITY, ["optimizer.state_dtype=bfloat16", "parallelism.tp=2"])) is None
 
 
 @pytest.mark.parametrize(
