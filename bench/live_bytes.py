@@ -10,7 +10,8 @@ buffers, pipelining's receive buffers. FSDP2 frees and re-allocates its gathered
 by `UntypedStorage.resize_`, which no op dispatch shows: that method is wrapped while the
 mode is active. Tensors made before it was entered can be added with `track`. What it
 cannot see: memory that is not a tensor storage (gloo's internal buffers, Python objects,
-the allocator's slack).
+the allocator's slack). A wrapper subclass (torchao's float8 weights and their optimizer
+states) has a storage of its full size but no data: its inner tensors are counted instead.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -34,6 +35,10 @@ class LiveBytes(TorchDispatchMode):
             return
         if isinstance(t, DTensor):
             t = t.to_local()
+        if is_traceable_wrapper_subclass(t):  # e.g. torchao's float8 weights: the inner tensors hold the bytes
+            for name in t.__tensor_flatten__()[0]:
+                self.track(getattr(t, name))
+            return
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.sizes:

@@ -7,7 +7,11 @@ last loss, seconds per step) and writes one loss.svg overlay of every curve.
     python bench/low_precision.py --steps 200 --svg docs/assets/low_precision_loss.svg
 
 --data DIR: a prepared directory (prepare-data; README's stdlib recipe); without it, one is
-prepared from the standard library's top-level modules (a 4096-token BPE trained on them)."""
+prepared from the standard library's top-level modules (a 4096-token BPE trained on them).
+
+Each run uses one thread (OMP_NUM_THREADS=1 unless set): on a shared 2-core box two OpenMP
+threads wait on each other whenever another process holds a core -- a text-model step that
+takes 0.2 s on a quiet box took 10-56 s at a load of 20 with two threads."""
 
 import argparse
 import glob
@@ -17,7 +21,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import ROOT  # noqa: E402
@@ -26,7 +29,9 @@ RUNS = {
     "bf16": [],
     "float8 tensorwise": ["training.float8={recipe: tensorwise}"],
     "float8 rowwise": ["training.float8={recipe: rowwise}"],
-}  # optimizer.state_dtype's bf16 / 8-bit runs join once the door accepts them
+    "state bf16": ["optimizer.state_dtype=bfloat16"],  # AdamW's moments in bf16 (optimizer.state_dtype)
+    "state 8bit": ["optimizer.state_dtype=8bit"],  # torchao's block-wise 8-bit AdamW
+}  # a run the door refuses (a state_dtype not built yet) prints "not run" and its error line
 
 
 def prepare(folder: str) -> str:
@@ -39,19 +44,20 @@ def prepare(folder: str) -> str:
 
 
 def train(name: str, extra: list[str], data: str, steps: int, folder: str, shape: list[str]) -> tuple[list, float]:
-    """(the [step, loss] pairs, seconds per step) of one world-1 run."""
+    """(the [step, loss] pairs, median seconds per step after the first) of one world-1 run."""
     run_dir = os.path.join(folder, name.replace(" ", "_"))
     given = [f"training.steps={steps}", "parallelism.dp=1", "training.dtype=bfloat16", "training.device=cpu"]
     given += [f"data.path={data}", "checkpoint.dir=null", f"logging.run_dir={run_dir}", "logging.every=1"]
     given += ["training.eval_every=0", *shape, *extra]
-    start = time.perf_counter()
     command = [sys.executable, "-m", "dtensor3d", "train", "recipes/text.yaml", *given]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # see the module's doc
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode:
         print(f"{name}: not run ({proc.stderr.strip().splitlines()[-1]})")
         return [], 0.0
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in x]
-    return [(r["step"], r["loss"]) for r in rows], (time.perf_counter() - start) / steps
+    times = sorted(r["ms_per_step"] for r in rows[1:] or rows)  # the first step warms up
+    return [(r["step"], r["loss"]) for r in rows], times[len(times) // 2] / 1000  # the median step
 
 
 def compare(curves: dict, seconds: dict, base: str = "bf16") -> list[str]:

@@ -10,7 +10,9 @@ and is cut the way the code cuts it -- tp by the plan in parallel/tensor.py (Col
 Linear's dim 0; Rowwise: a Linear's dim 1, the embedding's dim 0), experts on dim 0 over ep, then FSDP2's
 dim-0 chunk over its group (rank 0 holds ceil(d0 / n) rows, the largest chunk). Storage is
 the model's dtype (fp32; bf16 runs use autocast), so are gradients; AdamW keeps two moments
-per element and one fp32 `step` scalar per parameter tensor.
+per element and one fp32 `step` scalar per parameter tensor. Under bf16 autocast (no FSDP)
+the step also holds a bf16 copy of each linear's weight (`weight_copy_bytes`), except the
+weights training.float8 converts: torchao's Float8Linear keeps its master weight.
 
 Communication (`comm_bytes`) counts what each rank *hands* to collectives in one
 steady-state step, as our code issues them: an all-gather counts the rank's input piece, a
@@ -41,7 +43,7 @@ the layer copies its weight backward recomputes, one per parameter tensor:
 from __future__ import annotations
 
 from .collectives import comm_bytes
-from .memory import bubble_fraction, in_flight, stage_activation_bytes
+from .memory import bubble_fraction, in_flight, stage_activation_bytes, weight_copy_bytes
 from .muon_cost import muon_stage, optimizer_bytes
 from .params import COMM_DIMS, FP32, Part, rank_parts, stage_units, unit_numels
 from .reshard import resolve, resolve_here
@@ -90,6 +92,7 @@ def stage_estimate(recipe, part: Part, units: dict[str, dict]) -> dict:
         "activation_bytes_per_microbatch": per_micro,
         "microbatches_in_flight": in_flight(recipe, part.rank),
         "activation_bytes": in_flight_bytes + once,
+        "weight_copy_bytes": weight_copy_bytes(recipe, part.rank),  # bf16 autocast's weight copies
     }
     if recipe.optimizer.name == "muon":  # plan/muon_cost.py: the owner-rank exchange, its bf16 matrices
         muon = muon_stage(recipe)[part.rank]
@@ -100,6 +103,7 @@ def stage_estimate(recipe, part: Part, units: dict[str, dict]) -> dict:
         + row["grad_bytes"]
         + row["optimizer_bytes"]
         + row["activation_bytes"]
+        + row["weight_copy_bytes"]
         + _fsdp_working_bytes(recipe, numels)
     )
     return row

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..config.parallelism import window_tails
 from ..config.schema import V_SCHEDULES
-from .params import FP32, Part, Sizes, sizes, virtual_layers
+from .params import FP32, Part, Sizes, param_table, sizes, virtual_layers
 from .schedule_model import bubble_fraction as schedule_bubble
 from .schedule_model import in_flight as schedule_in_flight
 from .schedule_model import split_backward_states
@@ -37,6 +37,30 @@ def _latent_bytes(recipe, z: Sizes) -> int:
         return 0
     latents = 2 * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim)
     return z.tokens * (latents + z.heads * (m.qk_nope_head_dim + m.v_head_dim)) * z.compute
+
+
+def weight_copy_bytes(recipe, rank: int) -> int:
+    """bf16 autocast (a run without FSDP) casts every weight a linear reads to bf16 once per
+    step and keeps the copy for the step (torch's autocast weight cache; the linear's backward
+    reads it): 2 bytes per element of this pp rank's 2-D linear weights -- the blocks', the
+    routers', the head's (a tied head's, the embedding's), not the embedding's own nor the
+    stacked experts'. torchao's Float8Linear (training.float8) saves its fp32 master weight
+    itself for backward and casts it to float8 again there (measured with saved-tensor hooks:
+    a converted linear keeps its bf16 input and no weight copy), so its weights add none.
+    Measured at world 1 on the parity model (bench/accuracy_rank.py): bf16 keeps 292,984
+    bytes more than float8 tensorwise, whose converted block weights are 147,456 elements."""
+    t, m = recipe.training, recipe.model
+    if t.dtype != "bfloat16" or recipe.parallelism.fsdp_enabled:
+        return 0
+    total = 0
+    for name, row in param_table(recipe).items():
+        shape, linear = row["shape"], name.endswith(".weight") and len(row["shape"]) == 2
+        if row["stage"] != rank or not linear or row.get("float8"):
+            continue
+        if name == "model.embed_tokens.weight" and not (m.tie_word_embeddings and not recipe.parallelism.pp_enabled):
+            continue  # the embedding's lookup casts nothing; one process's tied head reads it as its weight
+        total += 2 * shape[0] * shape[1]
+    return total
 
 
 def moe_tokens(recipe) -> int:

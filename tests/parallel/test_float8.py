@@ -140,3 +140,37 @@ def test_conversion_matches_torchao_alone_on_transformers(tmp_path):
     for recipe in ("tensorwise", "rowwise"):
         assert losses[recipe][0] == losses[recipe][1], losses
         assert losses[recipe][0] != losses[None][0]  # float8 did change the numbers
+
+
+def test_float8_linears_keep_no_weight_copy_and_plan_counts_it():
+    """What a converted linear keeps for backward (torchao's matmul_with_hp_or_float8_args saves
+    its high-precision input and weight; tensorwise and rowwise alike): under one process's bf16
+    autocast, nn.Linear keeps a bf16 copy of its fp32 weight, Float8Linear the fp32 weight itself
+    (no copy; backward casts it to float8 again), both the bf16 input. Over the parity model's
+    forward the kept bytes differ by exactly the bf16 copies of the converted block weights:
+    plan's weight_copy_bytes difference."""
+    from dtensor3d.models import materialize
+    from dtensor3d.parallel.shards import init_weights
+    from dtensor3d.plan.activations import kept_bytes
+    from dtensor3d.plan.memory import weight_copy_bytes
+
+    ids, kept = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0)), {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bytes, not speed: 2.7 s at a load of 26 (two threads: 14 s)
+    try:
+        for recipe in (None, "tensorwise", "rowwise"):
+            model = build_on_meta(load_recipe(PARITY, []).model)
+            if recipe:
+                apply_float8(model, _f8(recipe))
+            materialize(model, "cpu")
+            init_weights(model, 7)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, kept[recipe] = kept_bytes(lambda: model(ids[:, :-1]), model)  # noqa: B023
+    finally:
+        torch.set_num_threads(threads)
+    plans = {r: load_recipe(PARITY, ["training.dtype=bfloat16"] + ([f"training.float8={{recipe: {r}}}"] if r else []))
+             for r in kept}  # fmt: skip
+    for recipe in ("tensorwise", "rowwise"):
+        saving = weight_copy_bytes(plans[None], 0) - weight_copy_bytes(plans[recipe], 0)
+        assert saving == 2 * 4 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)  # 4 layers' q, o, k, v, gate, up, down
+        assert kept[None] - kept[recipe] == saving, kept
