@@ -59,7 +59,8 @@ def _coord_aligned(idx: list, shape: tuple[int, ...], block: int) -> bool:
     inner = math.prod(shape[k + 1 :])
     if any((g * inner) % block or (n * inner) % block for _, g, n in _runs(idx[k])):
         return False
-    return all(i * math.prod(shape[d + 1 :]) % block == 0 for d in range(k) for i in idx[d])
+    strides = [math.prod(shape[d + 1 :]) for d in range(k)]
+    return all(s % block == 0 or all(i * s % block == 0 for i in idx[d]) for d, s in enumerate(strides))
 
 
 def blocks_align(p: torch.Tensor, block: int = BLOCK) -> bool:
