@@ -17,7 +17,7 @@ from ..parallel.shards import local
 from .slices import SliceReader, boxes, held_indices, read_into_
 
 SCALE = "_scale"  # "<param>.<key>_scale": an 8-bit state's block scales
-BLOCK = 256  # training/optim_lowp.BLOCK (torchao's), duplicated to keep this module torchao-free
+BLOCK = 256  # training/optim_lowp.BLOCK (torchao's AdamW8bit default, the block every 8-bit state here has)
 
 
 def quantised(t: torch.Tensor) -> bool:
@@ -67,9 +67,8 @@ def add_state(add, name: str, value: torch.Tensor) -> None:
         add(name, value, piece, boxes(value, name))
         return
     add(name, value, piece.codes, boxes(value, name))
-    blocks = piece.codes.numel() // piece.scale.numel()
-    scale_boxes = [((lb,), (gb,), (n,)) for lb, gb, n in _block_runs(value, blocks)]
-    add(name + SCALE, torch.empty(value.numel() // blocks, device="meta"), piece.scale, scale_boxes)
+    scale_boxes = [((lb,), (gb,), (n,)) for lb, gb, n in _block_runs(value, BLOCK)]  # none for an empty shard
+    add(name + SCALE, torch.empty(value.numel() // BLOCK, device="meta"), piece.scale, scale_boxes)
 
 
 def load_state(dst: torch.Tensor, name: str, files: SliceReader) -> None:
@@ -78,9 +77,8 @@ def load_state(dst: torch.Tensor, name: str, files: SliceReader) -> None:
     if quantised(dst) and saved_8bit:
         q = local(dst)
         read_into_(dst, name, files, target=q.codes)
-        blocks = q.codes.numel() // q.scale.numel()
-        if files.shape(name + SCALE) == [dst.numel() // blocks] and blocks == BLOCK:
-            for lb, gb, n in _block_runs(dst, blocks):
+        if files.shape(name + SCALE) == [dst.numel() // BLOCK]:
+            for lb, gb, n in _block_runs(dst, BLOCK):
                 q.scale[lb : lb + n].copy_(files.read(name + SCALE, [gb], [n]))
             return
     if not saved_8bit and not quantised(dst):
@@ -102,6 +100,5 @@ def _dequantised(dst: torch.Tensor, name: str, files: SliceReader) -> torch.Tens
     read_into_(dst, name, files, target=codes)
     qmap = torch.tensor(get_qmap_unsigned() if name.endswith("exp_avg_sq") else get_qmap_signed())
     scales = files.read(name + SCALE)
-    blocks = dst.numel() // scales.numel()
-    where = _flat_index(dst, torch.arange(codes.numel())).view(codes.shape) // blocks
+    where = _flat_index(dst, torch.arange(codes.numel())).view(codes.shape) // BLOCK
     return qmap[codes.long()] * scales[where]
