@@ -135,7 +135,7 @@ class Int8StateAdamW(_TorchaoStep, AdamW8bit):
 
     def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
         piece = local(p)
-        if blocks_align(p, self.block_size):
+        if piece.numel() and blocks_align(p, self.block_size):  # OptimState8bit cannot be empty (FSDP's empty shard)
             out = OptimState8bit.zeros(piece.shape, signed, self.block_size, piece.device, dtype=piece.dtype)
         else:
             out = torch.zeros_like(piece)
