@@ -19,6 +19,8 @@ from torchao.optim import AdamW8bit, _AdamW
 from torchao.optim.subclass_8bit import OptimState8bit
 
 from dtensor3d.checkpoint.background import Saver
+from dtensor3d.checkpoint.optim_state import load_state
+from dtensor3d.checkpoint.slices import SliceReader
 from dtensor3d.config.load import load_recipe
 from dtensor3d.datasets.sources import make_source
 from dtensor3d.training.optim import adamw
@@ -122,6 +124,13 @@ def test_states_saved_as_they_are_and_resumed_bitwise(state_dtype, optimizer, on
             step_dir = Saver(state).save(state)
     resumed = setup(load_recipe(PARITY, given))
     assert resumed.step == 2
+    if state_dtype == "8bit":  # into fp32 moments (another state_dtype, or blocks a mesh cuts): dequantised
+        embed = resumed.model.model.embed_tokens.weight
+        held = resumed.optimizer.state[embed]["exp_avg"]
+        files = SliceReader(step_dir, json.loads(open(os.path.join(step_dir, "state.json")).read())["tensors"]["optim"])
+        plain = torch.empty_like(embed)
+        load_state(plain, "model.embed_tokens.weight.exp_avg", files)
+        assert isinstance(held, OptimState8bit) and torch.equal(plain, held.dequantize())
     assert train_step(resumed, batches[2])["loss"] == got[2]["loss"]
     for (name, a), b in zip(state.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
