@@ -104,43 +104,75 @@ def _microbatch_cpu(model, ids, sharded: bool) -> float:
             logits = model(ids[:, :-1])
             torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
 
-    step()
+    return _best_cpu(step)
+
+
+def _bench_model(recipe, wrap=None):
+    """The bench model on CPU, `wrap`ped (on the meta device) first."""
+    from dtensor3d.models import build_on_meta, materialize
+    from dtensor3d.models.layers import ModelHooks
+    from dtensor3d.parallel.shards import init_weights
+    from dtensor3d.parallel.tensor import vocab_layout
+
+    model = build_on_meta(recipe.model, hooks=ModelHooks(vocab_layout=vocab_layout))
+    if wrap is not None:
+        wrap(model)
+    model = materialize(model, "cpu")
+    init_weights(model, 0)
+    return model
+
+
+def _optimizer_cpu(model) -> float:
+    """Core seconds of one AdamW step over the model's parameters (gradients of ones)."""
+    for q in model.parameters():
+        q.grad = torch.ones_like(q)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return _best_cpu(opt.step)
+
+
+def _best_cpu(fn, repeats: int = 5) -> float:
+    fn()
     times = []
-    for _ in range(5):
+    for _ in range(repeats):
         start = time.process_time()
-        step()
+        fn()
         times.append(time.process_time() - start)
     return min(times)
 
 
-def tp_linear_us() -> float:
-    """The host time a tp-sharded linear adds (forward with backward): the bench model's
-    microbatch with tp's plan on a one-rank mesh (the same FLOPs: DTensor wrapping, the
-    ParallelStyle hooks, loss_parallel) minus the plain model's, per sharded linear."""
+def wrapper_us() -> tuple[float, float, float]:
+    """Host (core) time the distributed wrappers add on a one-rank mesh over the plain model
+    (the bench model at 3d.yaml's widths, the same FLOPs): (a tp-sharded linear, forward with
+    backward -- DTensor wrapping, the ParallelStyle hooks, loss_parallel; FSDP2's hooks per unit
+    and microbatch, its units each layer and the root, never resharded; AdamW per DTensor
+    parameter), microseconds."""
     from common import bench_recipe
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    from dtensor3d.models import build_on_meta, materialize
-    from dtensor3d.models.layers import ModelHooks
-    from dtensor3d.parallel.shards import init_weights
-    from dtensor3d.parallel.tensor import apply_tp, vocab_layout
+    from dtensor3d.parallel.tensor import apply_tp
     from dtensor3d.plan.perf_compute import tp_linears
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    recipe, cpu = bench_recipe([], "cpu"), {}
-    ids = torch.randint(
-        0, recipe.model.vocab_size, (recipe.training.micro_batch_size, recipe.training.sequence_length + 1)
-    )
-    for sharded in (False, True):
-        model = build_on_meta(recipe.model, hooks=ModelHooks(vocab_layout=vocab_layout))
-        if sharded:
-            apply_tp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), recipe.parallelism)
-        model = materialize(model, "cpu")
-        init_weights(model, 0)
-        cpu[sharded] = _microbatch_cpu(model, ids, sharded)
+    small = ["model.hidden_size=64", "model.intermediate_size=176", "model.vocab_size=256"]  # 3d.yaml's widths
+    recipe = bench_recipe(small, "cpu")  # host costs per call, where the FLOPs are few (less noise)
+    t, layers = recipe.training, recipe.model.num_hidden_layers
+    ids = torch.randint(0, recipe.model.vocab_size, (t.micro_batch_size, t.sequence_length + 1))
+    tp_mesh, dp_mesh = (init_device_mesh("cpu", (1,), mesh_dim_names=(n,)) for n in ("tp", "dp"))
+
+    def fsdp(model):
+        for layer in model.model.layers.values():
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+
+    plain, sharded = _bench_model(recipe), _bench_model(recipe, lambda m: apply_tp(m, tp_mesh, recipe.parallelism))
+    base = _microbatch_cpu(plain, ids, False)
+    tp = (_microbatch_cpu(sharded, ids, True) - base) / (layers * tp_linears(recipe, False) + 2)  # embedding, head
+    shard = _bench_model(recipe, fsdp)
+    unit = (_microbatch_cpu(shard, ids, False) - base) / (layers + 1)
+    param = (_optimizer_cpu(shard) - _optimizer_cpu(plain)) / len(list(plain.parameters()))
     dist.destroy_process_group()
-    linears = recipe.model.num_hidden_layers * tp_linears(recipe, False) + 2  # and the embedding, the head
-    return (cpu[True] - cpu[False]) / linears * 1e6
+    return tp * 1e6, unit * 1e6, param * 1e6
 
 
 def main() -> None:
@@ -150,12 +182,15 @@ def main() -> None:
     from dtensor3d.plan.perf_compute import HBM_EFF, MATMUL_EFF
 
     hw = lookup("cpu-gloo")
-    gflops, gbps, op, tp_op = matmul_gflops(), stream_gbps(), op_overhead_us(), tp_linear_us()
+    gflops, gbps, op = matmul_gflops(), stream_gbps(), op_overhead_us()
+    tp_op, fsdp_unit, dtensor_param = wrapper_us()
     lat, link, lat_cpu = gloo_latency_and_gbps()
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
     print(f"tp-sharded linear's host time {tp_op:.0f} us (table tp_linear_us {hw.tp_linear_us})")
+    print(f"FSDP2 hooks per unit and microbatch {fsdp_unit:.0f} us (table fsdp_unit_us {hw.fsdp_unit_us})")
+    print(f"AdamW per DTensor parameter {dtensor_param:.0f} us (table dtensor_param_us {hw.dtensor_param_us})")
     print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us (table {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
     print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us (table {hw.collective_cpu_us})")
 

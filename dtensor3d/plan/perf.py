@@ -228,7 +228,9 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
         rows.append({"stage": part.rank, **{k: round(v, 9) for k, v in terms.items()}})
     bubble = bubble_fraction(recipe)
     busy = max(r["busy_s"] for r in rows)
-    makespan = busy / (1 - bubble)
+    # the busiest rank waits out the fill and drain of the others' work (equal ranks: busy / (1 - bubble))
+    others = (sum(r["busy_s"] for r in rows) - busy) / (len(rows) - 1) if len(rows) > 1 else busy
+    makespan = busy + bubble / (1 - bubble) * others
     tail = max(r["dp_exposed_s"] + r["optimizer_s"] for r in rows)
     oversubscribed = hw.cores_per_node and world // nodes > hw.cores_per_node
     cores = core_seconds(recipe, hw, nodes, rows) / hw.cores_per_node if oversubscribed else 0.0
