@@ -87,8 +87,10 @@ class Attention(nn.Module):
         else:  # the whole sequence here, or this rank's part of it under context parallelism
             positions = self.sequence.positions(q.shape[2], q.device)
         if self.rope:
-            cos, sin = rope_tables(self.freqs, self.rope_scale, positions)
-            q, k = (_rope_part(t, cos.to(t.dtype), sin.to(t.dtype), self.rotary_dim) for t in (q, k))
+            # in the residual stream's dtype, as transformers rotates (fp32 under one process's bf16
+            # autocast, whose bf16 q / k would round each product), then back to q's dtype
+            cos, sin = (c.to(x.dtype) for c in rope_tables(self.freqs, self.rope_scale, positions))
+            q, k = (_rope_part(t, cos, sin, self.rotary_dim).to(t.dtype) for t in (q, k))
         if self.q_scale != 1.0:
             q = q * self.q_scale
         sinks = getattr(self, "sinks", None)
