@@ -6,7 +6,7 @@ TERMS = (
     ("matmul_s", "matmuls"),
     ("attention_s", "attention"),
     ("memory_s", "memory-bound ops"),
-    ("host_s", "host dispatch (eager ops)"),
+    ("host_s", "host (ops, DTensor, FSDP)"),
     ("tp_s", "tp communication (exposed)"),
     ("cp_s", "cp K/V exchange"),
     ("ep_s", "ep all-to-all (exposed)"),
@@ -14,6 +14,7 @@ TERMS = (
     ("bubble_s", "pipeline bubble"),
     ("dp_exposed_s", "dp communication (exposed)"),
     ("optimizer_s", "optimizer step"),
+    ("shared_cores_s", "waiting for a shared core"),
 )
 
 
