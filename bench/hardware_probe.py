@@ -70,10 +70,30 @@ def _gloo(rank: int, path: str, out: str) -> None:
     lat = statistics.median(_timed(lambda: dist.all_reduce(small)) for _ in range(200))
     cpu = (time.process_time() - cpu) / 200  # the core time of one step, this rank's (a blocked wait uses none)
     bw = statistics.median(_timed(lambda: dist.all_reduce(big)) for _ in range(10))
+    dtensor = _dtensor_all_reduce_cpu(small)
     if rank == 0:
         with open(out, "w") as f:
-            f.write(f"{lat} {bw} {cpu}")
+            f.write(f"{lat} {bw} {cpu} {dtensor - cpu}")
     dist.destroy_process_group()
+
+
+def _dtensor_all_reduce_cpu(t: torch.Tensor) -> float:
+    """Core seconds of the same all-reduce issued as tp issues it: a DTensor's Partial ->
+    Replicate redistribution (functional collective, its async wrapper and wait)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def reduce():
+        d = DTensor.from_local(t, mesh, [Partial()], run_check=False)
+        d.redistribute(mesh, [Replicate()]).to_local().add_(0)  # waits for the collective
+
+    reduce()
+    start = time.process_time()
+    for _ in range(200):
+        reduce()
+    return (time.process_time() - start) / 200
 
 
 def _timed(fn) -> float:
@@ -82,15 +102,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def gloo_latency_and_gbps() -> tuple[float, float, float]:
+def gloo_latency_and_gbps() -> tuple[float, float, float, float]:
     """(seconds of a 4-byte all-reduce, GB/s of a 4 MiB all-reduce's wire bytes, core seconds
-    of the 4-byte all-reduce in one of the two processes)."""
+    of the 4-byte all-reduce in one of the two processes, the core seconds DTensor adds to it)."""
     path, out = tempfile.mktemp(), tempfile.mktemp()
     mp.spawn(_gloo, args=(path, out), nprocs=2)
-    lat, seconds, cpu = map(float, open(out).read().split())
+    lat, seconds, cpu, dtensor = map(float, open(out).read().split())
     os.unlink(out)
     wire = 2 * (1 << 22) * (2 - 1) / 2  # ring all-reduce: 2 (n - 1) / n of the tensor
-    return lat, wire / (seconds - lat) / 1e9, cpu
+    return lat, wire / (seconds - lat) / 1e9, cpu, dtensor
 
 
 def _microbatch_cpu(model, ids, sharded: bool) -> float:
@@ -184,7 +204,7 @@ def main() -> None:
     hw = lookup("cpu-gloo")
     gflops, gbps, op = matmul_gflops(), stream_gbps(), op_overhead_us()
     tp_op, fsdp_unit, dtensor_param = wrapper_us()
-    lat, link, lat_cpu = gloo_latency_and_gbps()
+    lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
@@ -193,6 +213,7 @@ def main() -> None:
     print(f"AdamW per DTensor parameter {dtensor_param:.0f} us (table dtensor_param_us {hw.dtensor_param_us})")
     print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us (table {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
     print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us (table {hw.collective_cpu_us})")
+    print(f"what DTensor's redistribution adds to it {dtensor_call * 1e6:.0f} us (table {hw.dtensor_collective_us})")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ OPTIONAL = (
     "collective_cpu_us",
     "fsdp_unit_us",
     "dtensor_param_us",
+    "dtensor_collective_us",
 )
 
 
@@ -54,6 +55,7 @@ class Hardware:
     collective_cpu_us: float = 0.0  # CPU: the core time one collective step costs each member (loopback send + receive)
     fsdp_unit_us: float = 0.0  # CPU: FSDP2's hooks per unit and microbatch, forward with backward
     dtensor_param_us: float = 0.0  # CPU: what AdamW's step adds per DTensor parameter (FSDP or tp)
+    dtensor_collective_us: float = 0.0  # CPU: the host time a collective issued by DTensor (tp) adds, per call
     source: str = ""
 
 

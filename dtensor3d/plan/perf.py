@@ -109,7 +109,8 @@ def _calls(recipe, part) -> dict[str, int]:
 
 
 def _comm_parts(recipe, hw, nodes: int) -> list[dict[str, tuple[float, int]]]:
-    """Per pp rank and dim: (wire seconds per step, collective steps per step: calls x hops)."""
+    """Per pp rank and dim: (wire seconds per step, collective steps per step: calls x hops,
+    and on a CPU entry tp's calls x the host time DTensor's redistribution adds to each)."""
     p = recipe.parallelism
     dims, world = p.dims, p.world_size
     out = []
@@ -120,7 +121,8 @@ def _comm_parts(recipe, hw, nodes: int) -> list[dict[str, tuple[float, int]]]:
             if dim == "pp":
                 n = 2 if p.pp_enabled else 1
             hops = math.ceil(math.log2(max(n, 2)))
-            row[dim] = (collective_seconds(kinds, n, bw), calls[dim] * hops * (n > 1))
+            host = calls[dim] * hw.dtensor_collective_us * 1e-6 if dim == "tp" and n > 1 else 0.0
+            row[dim] = (collective_seconds(kinds, n, bw) + host, calls[dim] * hops * (n > 1))
         out.append(row)
     return out
 
