@@ -110,6 +110,7 @@ def test_states_saved_as_they_are_and_resumed_bitwise(state_dtype, optimizer, on
     codes beside "<key>_scale" fp32 block scales (muon: the 4 096-element q_proj's momentum
     buffer, 16 blocks; the embedding's AdamW moments, 64)."""
     base = ["model.num_hidden_layers=1", "training.eval_every=0", "training.micro_batch_size=2", "training.steps=3"]
+    base += ["training.global_batch_size=2"]  # one microbatch a step
     given = [*base, f"optimizer.state_dtype={state_dtype}", f"optimizer.name={optimizer}"]
     given += [f"checkpoint.dir={tmp_path / 'ck'}"]
     given += ["checkpoint.async_save=false"]
