@@ -6,6 +6,7 @@ Hugging Face import and export for every model family.
     find.py        the newest complete step of a checkpoint directory; what a run resumes from
     check.py       a step directory against a recipe (shapes, slices, optimizer, trajectory), no process group
     save.py        what a save writes: this rank's slices, the state record, the tokenizer; pruning
+    optim_state.py optimizer states as held (optimizer.state_dtype): bf16, 8-bit codes with their block scales
     background.py  the Saver (the loop's only writer; sync or async)
     hf.py          Hugging Face config and names; export_hf, import_hf, load_model
     outdir.py      export-hf's and import-hf's OUT: new, empty, or (--overwrite) one the same command wrote
@@ -18,6 +19,7 @@ Hugging Face import and export for every model family.
                                         global name (Hugging Face LlamaForCausalLM's names)
             model-stage00-rank00001.safetensors   another rank's slices (one file per writer)
             optim-stage00[-rankNNNNN].safetensors AdamW state: "<param>.exp_avg", ".exp_avg_sq", ".step"
+                                        (state_dtype 8bit: uint8 codes, and "<param>.exp_avg_scale" ...)
             state.json                  step, LR, data position, RNG, the recipe, the slice index
             manifest.json               size and sha256 of every other file; written last
         latest                          "step_00000010", replaced after the step directory exists
