@@ -62,7 +62,7 @@ def train(name: str, extra: list[str], data: str, steps: int, folder: str, shape
 
 def compare(curves: dict, seconds: dict, base: str = "bf16") -> list[str]:
     """The table's rows against `base`."""
-    ref = [loss for _, loss in curves[base]]
+    ref = [loss for _, loss in curves.get(base, [])] or [float("nan")]  # the base not run: no comparison
     tail = min(50, len(ref))
     rows = ["| run | step-1 loss | vs bf16, rel | mean abs delta, last 50 steps / loss | last loss | s / step |"]
     rows.append("|---|---|---|---|---|---|")
