@@ -160,39 +160,77 @@ def _best_cpu(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def wrapper_us() -> tuple[float, float, float]:
-    """Host (core) time the distributed wrappers add on a one-rank mesh over the plain model
-    (the bench model at 3d.yaml's widths, the same FLOPs): (a tp-sharded linear, forward with
-    backward -- DTensor wrapping, the ParallelStyle hooks, loss_parallel; FSDP2's hooks per unit
-    and microbatch, its units each layer and the root, never resharded; AdamW per DTensor
+SMALL = ["model.hidden_size=64"]  # 3d.yaml's width: host costs per call, few FLOPs
+
+
+def wrapper_us() -> tuple[float, float]:
+    """Host (core) time FSDP2 and DTensor parameters add on a one-rank mesh over the plain
+    model (the bench model at 3d.yaml's widths, the same FLOPs): (FSDP2's hooks per unit and
+    microbatch, its units each layer and the root, never resharded; AdamW per DTensor
     parameter), microseconds."""
     from common import bench_recipe
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dtensor3d.parallel.tensor import apply_tp
-    from dtensor3d.plan.perf_compute import tp_linears
-
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    small = ["model.hidden_size=64", "model.intermediate_size=176", "model.vocab_size=256"]  # 3d.yaml's widths
-    recipe = bench_recipe(small, "cpu")  # host costs per call, where the FLOPs are few (less noise)
+    recipe = bench_recipe([*SMALL, "model.intermediate_size=176", "model.vocab_size=256"], "cpu")
     t, layers = recipe.training, recipe.model.num_hidden_layers
     ids = torch.randint(0, recipe.model.vocab_size, (t.micro_batch_size, t.sequence_length + 1))
-    tp_mesh, dp_mesh = (init_device_mesh("cpu", (1,), mesh_dim_names=(n,)) for n in ("tp", "dp"))
+    dp_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
 
     def fsdp(model):
         for layer in model.model.layers.values():
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
 
-    plain, sharded = _bench_model(recipe), _bench_model(recipe, lambda m: apply_tp(m, tp_mesh, recipe.parallelism))
-    base = _microbatch_cpu(plain, ids, False)
-    tp = (_microbatch_cpu(sharded, ids, True) - base) / (layers * tp_linears(recipe, False) + 2)  # embedding, head
-    shard = _bench_model(recipe, fsdp)
-    unit = (_microbatch_cpu(shard, ids, False) - base) / (layers + 1)
+    plain, shard = _bench_model(recipe), _bench_model(recipe, fsdp)
+    unit = (_microbatch_cpu(shard, ids, False) - _microbatch_cpu(plain, ids, False)) / (layers + 1)
     param = (_optimizer_cpu(shard) - _optimizer_cpu(plain)) / len(list(plain.parameters()))
     dist.destroy_process_group()
-    return tp * 1e6, unit * 1e6, param * 1e6
+    return unit * 1e6, param * 1e6
+
+
+def _tp_rank(rank: int, path: str, out: str) -> None:
+    """One of two tp ranks: core seconds of a microbatch through the tp 2 model, and through a
+    plain model of one tp rank's own widths (half the heads, intermediate and vocabulary)."""
+    from common import bench_recipe
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtensor3d.parallel.tensor import apply_tp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    full = bench_recipe([*SMALL, "model.intermediate_size=176", "model.vocab_size=256", "parallelism.tp=2"], "cpu")
+    half = ["model.intermediate_size=88", "model.num_attention_heads=4", "model.num_key_value_heads=2"]
+    half = bench_recipe([*SMALL, *half, "model.head_dim=8", "model.vocab_size=128"], "cpu")
+    t = full.training
+    ids = torch.randint(0, 128, (t.micro_batch_size, t.sequence_length + 1), generator=torch.Generator().manual_seed(0))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    sharded = _microbatch_cpu(_bench_model(full, lambda m: apply_tp(m, mesh, full.parallelism)), ids, True)
+    own = _microbatch_cpu(_bench_model(half), ids, False)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(f"{sharded} {own}")
+    dist.destroy_process_group()
+
+
+def tp_linear_us(collective_s: float) -> float:
+    """The host time a tp-sharded linear adds (forward with backward: DTensor wrapping, the
+    ParallelStyle hooks, loss_parallel) on a real two-rank mesh: a tp 2 rank's microbatch less
+    the same local compute as a plain model and less its layers' collectives (4 a layer, each
+    `collective_s` of core time), per sharded linear. Microseconds."""
+    from common import bench_recipe
+
+    from dtensor3d.plan.perf_compute import tp_linears
+
+    path, out = tempfile.mktemp(), tempfile.mktemp()
+    mp.spawn(_tp_rank, args=(path, out), nprocs=2)
+    sharded, own = map(float, open(out).read().split())
+    os.unlink(out)
+    recipe = bench_recipe(SMALL, "cpu")
+    layers = recipe.model.num_hidden_layers
+    host = sharded - own - 4 * layers * collective_s
+    return host / (layers * tp_linears(recipe, False) + 2) * 1e6  # and the embedding, the head
 
 
 def main() -> None:
@@ -203,8 +241,9 @@ def main() -> None:
 
     hw = lookup("cpu-gloo")
     gflops, gbps, op = matmul_gflops(), stream_gbps(), op_overhead_us()
-    tp_op, fsdp_unit, dtensor_param = wrapper_us()
+    fsdp_unit, dtensor_param = wrapper_us()
     lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
+    tp_op = tp_linear_us(lat_cpu + dtensor_call)
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
