@@ -27,10 +27,11 @@ pytest.importorskip("lm_eval")
 wandb = pytest.importorskip("wandb")
 
 TASKS_DIR = str(Path(__file__).parents[1] / "eval" / "tasks")
-TASKS = "d3d_doc_mc,d3d_doc_ppl"
+TASKS = "d3d_doc_mc,d3d_doc_ppl,d3d_doc_gen"
 BASE = ["model.vocab_size=257", "data.kind=tokens", "training.micro_batch_size=2"]
 BASE += ["training.eval_every=0"]
-EVAL = ["eval.tasks=[d3d_doc_mc, d3d_doc_ppl]", "eval.every=2", "eval.limit=6", f"eval.include_path={TASKS_DIR}"]
+EVAL = ["eval.tasks=[d3d_doc_mc, d3d_doc_ppl, d3d_doc_gen]", "eval.every=2", "eval.limit=6"]
+EVAL += [f"eval.include_path={TASKS_DIR}"]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_in_loop_evals_equal_the_eval_command_on_those_steps_checkpoints(runs):
         assert set(expected) == set(evals[step]), (expected, evals[step])
         for key, value in expected.items():  # the same logits: accuracies exact, perplexities to rounding
             assert evals[step][key] == pytest.approx(value, rel=1e-6, abs=0), (step, key)
-            if key.endswith(("/acc", "/acc_norm")):
+            if key.endswith(("/acc", "/acc_norm", "/exact_match")):
                 assert evals[step][key] == value
     svg = (root / "with" / "loss.svg").read_text()
     assert svg.count("<polyline") == 1 + len(evals[2]) and ">eval/d3d_doc_mc/acc</text>" in svg  # the second panel
@@ -98,7 +99,8 @@ def test_in_loop_evals_leave_training_bitwise_unchanged(runs):
 
 
 def test_in_loop_evals_at_pp2_equal_world_1s(runs):
-    """pp 2 (1f1b): every request through both stages, point to point, the logits broadcast back:
+    """pp 2 (1f1b): every request (generation too, batched with a KV cache per stage's layers)
+    through both stages, point to point, the logits broadcast back:
     the metrics of world 1 at steps 2 and 4 (accuracies exact; perplexities to 1e-6, the step-4
     weights differing from world 1's in their last bits: pp's gradient norm sums in another
     order), and the losses of world 1's run without evals, bitwise."""
@@ -109,7 +111,7 @@ def test_in_loop_evals_at_pp2_equal_world_1s(runs):
         evals = {k: v for k, v in ref.items() if k.startswith("eval/")}
         assert evals.keys() == {k for k in ours if k.startswith("eval/")}, (ours, ref)
         for key, value in evals.items():
-            if key.endswith(("/acc", "/acc_norm")):
+            if key.endswith(("/acc", "/acc_norm", "/exact_match")):
                 assert ours[key] == value, (ref["step"], key)
             assert ours[key] == pytest.approx(value, rel=1e-6, abs=0), (ref["step"], key)
 
