@@ -217,10 +217,12 @@ def _tp_rank(rank: int, path: str, out: str) -> None:
 def tp_linear_us(collective_s: float) -> float:
     """The host time a tp-sharded linear adds (forward with backward: DTensor wrapping, the
     ParallelStyle hooks, loss_parallel) on a real two-rank mesh: a tp 2 rank's microbatch less
-    the same local compute as a plain model and less its layers' collectives (4 a layer, each
-    `collective_s` of core time), per sharded linear. Microseconds."""
+    the same local compute as a plain model and less its collectives (4 a layer, the
+    embedding's one, loss_parallel's 4, each `collective_s` of core time), per sharded linear.
+    Microseconds."""
     from common import bench_recipe
 
+    from dtensor3d.plan.perf import LOSS_PARALLEL_CALLS
     from dtensor3d.plan.perf_compute import tp_linears
 
     path, out = tempfile.mktemp(), tempfile.mktemp()
@@ -229,8 +231,61 @@ def tp_linear_us(collective_s: float) -> float:
     os.unlink(out)
     recipe = bench_recipe(SMALL, "cpu")
     layers = recipe.model.num_hidden_layers
-    host = sharded - own - 4 * layers * collective_s
+    host = sharded - own - (4 * layers + 1 + LOSS_PARALLEL_CALLS) * collective_s
     return host / (layers * tp_linears(recipe, False) + 2) * 1e6  # and the embedding, the head
+
+
+def _step_rank(rank: int, path: str, out: str) -> None:
+    """One of two tp ranks training the bench model at 3d.yaml's widths (train_step, 6 steps):
+    the lowest core seconds a step spends outside forward, backward and AdamW's step (the
+    gradients' placements, the norm's partial sum, the world all-reduce of loss and norm, the
+    clip, the metrics), and its DTensor parameters."""
+    from common import bench_recipe
+
+    import dtensor3d.training.train as train
+    from dtensor3d.datasets.sources import make_source
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    recipe = bench_recipe([*SMALL, "model.intermediate_size=176", "model.vocab_size=256", "parallelism.tp=2"], "cpu")
+    inner = {"s": 0.0}
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inner["s"] += time.process_time() - start
+
+        return run
+
+    losses, train._losses = train._losses, timed(train._losses)
+    state = train.setup(recipe)
+    state.optimizer.step = timed(state.optimizer.step)
+    source, outside = make_source(recipe), []
+    for step in range(6):
+        batch, inner["s"] = train.rank_batch(state, source, step), 0.0
+        start = time.process_time()
+        train.train_step(state, batch)
+        outside.append(time.process_time() - start - inner["s"])
+    train._losses = losses
+    dtensors = sum(1 for q in state.params if hasattr(q, "device_mesh"))
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(f"{min(outside[1:])} {dtensors}")
+    dist.destroy_process_group()
+
+
+def dtensor_grad_us(collective_s: float) -> float:
+    """The core time a step spends outside forward, backward and AdamW's step on a real
+    two-rank tp mesh, less its world all-reduce's (`collective_s` each, 2 steps: plan counts
+    them), per DTensor parameter (plan: dtensor_grad_us). Microseconds."""
+    path, out = tempfile.mktemp(), tempfile.mktemp()
+    mp.spawn(_step_rank, args=(path, out), nprocs=2)
+    outside, dtensors = map(float, open(out).read().split())
+    os.unlink(out)
+    return (outside - 2 * collective_s) / dtensors * 1e6
 
 
 def main() -> None:
@@ -244,12 +299,14 @@ def main() -> None:
     fsdp_unit, dtensor_param = wrapper_us()
     lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
     tp_op = tp_linear_us(lat_cpu + dtensor_call)
+    grad = dtensor_grad_us(lat_cpu)
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
     print(f"tp-sharded linear's host time {tp_op:.0f} us (table tp_linear_us {hw.tp_linear_us})")
     print(f"FSDP2 hooks per unit and microbatch {fsdp_unit:.0f} us (table fsdp_unit_us {hw.fsdp_unit_us})")
     print(f"AdamW per DTensor parameter {dtensor_param:.0f} us (table dtensor_param_us {hw.dtensor_param_us})")
+    print(f"step bookkeeping per DTensor parameter {grad:.0f} us (table dtensor_grad_us {hw.dtensor_grad_us})")
     print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us (table {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
     print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us (table {hw.collective_cpu_us})")
     print(f"what DTensor's redistribution adds to it {dtensor_call * 1e6:.0f} us (table {hw.dtensor_collective_us})")

@@ -32,6 +32,7 @@ OPTIONAL = (
     "fsdp_unit_us",
     "dtensor_param_us",
     "dtensor_collective_us",
+    "dtensor_grad_us",
 )
 
 
@@ -56,6 +57,7 @@ class Hardware:
     fsdp_unit_us: float = 0.0  # CPU: FSDP2's hooks per unit and microbatch, forward with backward
     dtensor_param_us: float = 0.0  # CPU: what AdamW's step adds per DTensor parameter (FSDP or tp)
     dtensor_collective_us: float = 0.0  # CPU: the host time a collective issued by DTensor (tp) adds, per call
+    dtensor_grad_us: float = 0.0  # CPU: a step's gradient bookkeeping (norm, clip, placements) per DTensor parameter
     source: str = ""
 
 

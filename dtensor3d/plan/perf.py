@@ -49,6 +49,7 @@ LINK_EFF = 0.80  # share of a link's bandwidth NCCL's rings reach (nccl-tests bu
 ASYNC_TP_HIDDEN = 0.5
 AXIS_ORDER = ("ep", "pp", "dp", "cp", "tp")  # nanotron's rank matrix, tp fastest
 GROUP_AXES = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp": ("ep", "dp", "cp"), "world": AXIS_ORDER}
+LOSS_PARALLEL_CALLS = 4  # loss_parallel's all-reduces per microbatch (forward max, sum, target logit; backward)
 WIRE = {"all_gather": None, "reduce_scatter": 1.0, "all_to_all": 1.0, "all_reduce": 2.0, "send_recv": 0.0}
 
 
@@ -98,8 +99,11 @@ def _calls(recipe, part) -> dict[str, int]:
     moe = sum(1 for i in part.layers if mod.num_local_experts and mod.is_moe_layer(i))
     again = 1 + (p.recompute != "none") / 2
     units = -(-layers // p.fsdp_bucket_layers) + 1
+    # tp: 4 a layer (8 with sequence parallelism), and per microbatch the vocab-parallel
+    # embedding's one and loss_parallel's 4 (counted with torch's profiler: tp2 84 a step)
+    tp = (8 if p.sequence_parallel else 4) * layers * m * again + m * (part.first + LOSS_PARALLEL_CALLS * part.last)
     return {
-        "tp": int((8 if p.sequence_parallel else 4) * layers * m * again) if p.tp_enabled else 0,
+        "tp": int(tp) if p.tp_enabled else 0,
         "cp": int(2 * layers * m * again) if p.cp_enabled else 0,
         "ep": int(4 * moe * m * again) if p.ep_enabled else 0,
         "pp": 2 * m if p.pp_enabled else 0,

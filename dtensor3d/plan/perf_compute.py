@@ -176,5 +176,7 @@ def rank_seconds(recipe, hw, part: Part, fp8: bool, sac_matmuls: float = 0.0) ->
 def optimizer_seconds(params: int, hw, dtensors: int = 0) -> float:
     """AdamW over this rank's fp32 parameters: read p, g, m, v and write p, m, v (28 B), the
     gradient norm's read (4 B); on a CPU entry each of `dtensors` DTensor parameters adds its
-    ops' dispatch (dtensor_param_us)."""
-    return params * 32 / (_bandwidth(hw) * HBM_EFF) + dtensors * hw.dtensor_param_us * 1e-6
+    ops' dispatch (dtensor_param_us) and the step's gradient bookkeeping before it: placements
+    matched, the norm's partial sum, the clip (dtensor_grad_us)."""
+    host = dtensors * (hw.dtensor_param_us + hw.dtensor_grad_us) * 1e-6
+    return params * 32 / (_bandwidth(hw) * HBM_EFF) + host
