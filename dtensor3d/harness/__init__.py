@@ -1,7 +1,7 @@
 """Downstream evaluation: lm-evaluation-harness on a checkpoint (`eval`), with dtensor3d's own model.
 
     python -m dtensor3d eval CKPT --tasks T1,T2 [--include-path DIR] [--limit N]
-        [--batch-size B] [--num-fewshot K] [--output PATH]
+        [--batch-size B] [--num-fewshot K] [--output PATH] [--tp N] [--pp N]
 
 CKPT: a step directory, a checkpoint directory (its newest step) or a Hugging Face directory
 of a supported family; its tokenizer must be in or beside it. The harness's model class
@@ -10,8 +10,9 @@ single-device model: loglikelihood and loglikelihood_rolling batched (right-padd
 causal model's real positions see no padding), generate_until greedy, batched with a KV cache
 (generate.greedy_batch: left-padded, per-row positions and masks). Tokenization is
 transformers.AutoTokenizer's, exactly as lm_eval's HFLM does it on the export, so the two score
-the same token ids. Under torchrun the harness splits the requests over the ranks (its own
-rank/world_size) and gathers the results on rank 0.
+the same token ids. Under torchrun the harness splits the requests over the data-parallel
+ranks (its own rank/world_size) and gathers the results on rank 0; --tp and --pp shard the
+model (live.sharded_model), so one too big for a device can be evaluated.
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ def add_eval_parser(sub) -> None:
     )
     p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--output", help="write the harness's results JSON here")
-    p.add_argument("--tp", type=int, default=1, help="under torchrun: tensor-parallel size (dp = world / tp)")
+    p.add_argument("--tp", type=int, default=1, help="under torchrun: tensor-parallel size (dp = world / (tp pp))")
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="under torchrun: pipeline stages (the trainer's split; each rank loads only its stage's weights)",
+    )
 
 
 def check_eval_args(args):
@@ -53,7 +60,12 @@ def check_eval_args(args):
         raise RecipeError(f"eval: need --batch-size >= 1 and --limit > 0 (got {args.batch_size}, {args.limit})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp < 1 or world % args.tp:
-        raise RecipeError(f"eval: --tp={args.tp} must divide the world size {world} (dp = world / tp)")
+        raise RecipeError(f"eval: --tp={args.tp} must divide the world size {world} (dp = world / (tp pp))")
+    if args.pp < 1 or world % (args.tp * args.pp):
+        raise RecipeError(
+            f"eval: --pp={args.pp} must be >= 1 with tp x pp = {args.tp} x {args.pp} dividing the world size "
+            f"{world} (dp = world / (tp pp))"
+        )
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=args.include_path)
@@ -111,8 +123,9 @@ def evaluate(lm, tasks, manager, limit=None, num_fewshot=None, log_samples=False
 
 def _model_class(args, tokenizer):
     """One process: the whole model (LocalRunner). Under torchrun (WORLD_SIZE > 1): the model
-    sharded over a (dp = world / tp, tp) mesh, FSDP over dp; the dp ranks split the requests and
-    the tp ranks of each run them together, every forward in lockstep (live.MeshRunner)."""
+    sharded over a (pp, dp = world / (tp pp), tp) mesh, FSDP over dp; the dp ranks split the
+    requests, the tp ranks of each run them together and the pp ranks in turn through their
+    stages (stages.StageChain), every forward in lockstep (live.MeshRunner)."""
     import contextlib
 
     from .lm import Dtensor3dLM
@@ -121,7 +134,7 @@ def _model_class(args, tokenizer):
         return Dtensor3dLM(pretrained=args.ckpt, tokenizer=tokenizer, batch_size=args.batch_size)
     from .live import MeshRunner, sharded_model
 
-    state = sharded_model(args.ckpt, args.tp)
+    state = sharded_model(args.ckpt, args.tp, args.pp)
     runner = MeshRunner(state, contextlib.nullcontext)
     length = state.recipe.model.max_position_embeddings
     return Dtensor3dLM(runner=runner, tokenizer=tokenizer, batch_size=args.batch_size, max_length=length)

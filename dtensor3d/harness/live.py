@@ -41,7 +41,7 @@ class MeshRunner:
         self.group, self.rank, self.world_size = view.get_group(), view.get_local_rank(), view.size()
         self.divisor = state.recipe.parallelism.tp  # sequence parallelism: a length tp divides
         self.chain = None
-        if getattr(state, "schedule", None) is not None:  # pp: the stages in turn (harness/stages.py)
+        if getattr(state, "schedule", None) is not None or getattr(state, "stages", None):  # pp: harness/stages.py
             from .stages import StageChain
 
             self.chain = StageChain(state)
@@ -200,28 +200,38 @@ def quiet_harness() -> None:
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
 
 
-def sharded_model(ckpt: str, tp: int):
-    """The `eval` command under torchrun: CKPT's model parallelized over a (dp, tp) mesh of the
-    world (dp = world / tp, FSDP over dp), each rank reading only its slices; returns what
-    MeshRunner reads (mesh, model, device, recipe)."""
+def sharded_model(ckpt: str, tp: int, pp: int = 1):
+    """The `eval` command under torchrun: CKPT's model parallelized over a (pp, dp, tp) mesh of
+    the world (dp = world / (tp pp), FSDP over dp), each rank building only its pipeline stage
+    (the trainer's 1f1b split) and reading only its slices; returns what MeshRunner reads
+    (mesh, model, device, recipe; under pp coords and the stages for harness/stages.py)."""
     import types
 
     from ..checkpoint.hf import load_params, model_source
     from ..config.load import recipe_from_dict
     from ..config.schema import Recipe
+    from ..errors import RecipeError
     from ..mesh import build_mesh, init_distributed, mesh_coords
     from ..models import materialize
-    from ..parallel.parallelize import parallelize
+    from ..parallel.parallelize import parallelize_stages
 
     cfg, files = model_source(ckpt, "eval")
+    if pp > cfg.num_hidden_layers:
+        raise RecipeError(
+            f"eval: --pp={pp}: more pipeline stages than the model's {cfg.num_hidden_layers} layers; "
+            f"valid --pp: 1..{cfg.num_hidden_layers} dividing the world size"
+        )
     device = init_distributed("cuda" if torch.cuda.is_available() else "cpu")
-    world = dist.get_world_size()
+    dp = dist.get_world_size() // (tp * pp)
     seq = max(tp, min(64, cfg.max_position_embeddings) // tp * tp)
-    training = {"device": device.type, "global_batch_size": world // tp, "micro_batch_size": 1, "sequence_length": seq}
-    raw = {"model": Recipe(model=cfg).to_dict()["model"], "parallelism": {"dp": world // tp, "tp": tp}}
+    training = {"device": device.type, "global_batch_size": dp * pp, "micro_batch_size": 1, "sequence_length": seq}
+    raw = {"model": Recipe(model=cfg).to_dict()["model"], "parallelism": {"dp": dp, "tp": tp, "pp": pp}}
     recipe = recipe_from_dict({**raw, "training": training})
     mesh = build_mesh(recipe.parallelism, device.type)
-    model = materialize(parallelize(recipe, mesh, mesh_coords(mesh), device), device)
+    coords = mesh_coords(mesh)
+    model, parts = parallelize_stages(recipe, mesh, coords, device)
+    model = materialize(model, device).eval()  # 1f1b: one stage per rank, `model` is that stage's module
     with files:
         load_params(model, files)
-    return types.SimpleNamespace(mesh=mesh, model=model.eval(), device=device, recipe=recipe)
+    stages = parts if pp > 1 else None  # MeshRunner: the stages in turn (harness/stages.py)
+    return types.SimpleNamespace(mesh=mesh, model=model, device=device, recipe=recipe, coords=coords, stages=stages)

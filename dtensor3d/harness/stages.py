@@ -1,6 +1,7 @@
 """The live model's forward under pipeline parallelism, for the harness: a batch of requests
 runs through the pipeline stages in order, each stage on the pp rank that holds it (the
-training schedule's stage modules, FSDP and tp as they are: nothing gathered), the hidden
+training schedule's stage modules, or the eval command's own under `--pp`; FSDP and tp as
+they are: nothing gathered), the hidden
 states going from rank to rank with point-to-point sends, and the last stage's logits
 broadcast over the pp group (every pp rank runs the same requests: the harness's ranks are
 the dp x cp ranks).
@@ -23,14 +24,17 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class StageChain:
-    """This rank's pipeline stages (from the training schedule), run in the pipeline's order."""
+    """This rank's pipeline stages, run in the pipeline's order: `state.stages` ([(global stage
+    index, module)], as parallelize_stages returns them: the eval command's), else the training
+    schedule's."""
 
     def __init__(self, state):
         p = state.recipe.parallelism
-        schedule = state.schedule
-        # torch's schedules hold their PipelineStages as _stages (multi-stage) or _stage
-        held = getattr(schedule, "_stages", None) or [schedule._stage]
-        self.modules = {stage.stage_index: stage.submod for stage in held}
+        if getattr(state, "stages", None):
+            self.modules = dict(state.stages)
+        else:  # torch's schedules hold their PipelineStages as _stages (multi-stage) or _stage
+            held = getattr(state.schedule, "_stages", None) or [state.schedule._stage]
+            self.modules = {stage.stage_index: stage.submod for stage in held}
         self.owner = [stage_rank(p, s) for s in range(p.pp_stages)]
         self.pp_rank, self.group = state.coords["pp"], state.mesh["pp"].get_group()
         self.device, self.vocab = state.device, state.recipe.model.padded_vocab_size

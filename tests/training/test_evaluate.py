@@ -116,43 +116,52 @@ def test_eval_command_prints_the_table_and_writes_json(checkpoint, capsys):
         ("unknown_task", "unknown task no_such_task"),
         ("missing_include", "--include-path="),
         ("no_tokenizer", "has no tokenizer.json"),
+        ("pp_world", "--pp=2 must be >= 1 with tp x pp = 1 x 2 dividing the world size 1"),
+        ("pp_layers", "--pp=4: more pipeline stages than the model's 2 layers"),
     ],
 )
-def test_eval_door_errors(checkpoint, tmp_path, capsys, case, needle):
+def test_eval_door_errors(checkpoint, tmp_path, capsys, monkeypatch, case, needle):
     import shutil
 
     ckpt = str(checkpoint / "ck")
-    tasks, include = "d3d_doc_mc", TASKS_DIR
-    if case == "unknown_task":
+    tasks, include, extra = "d3d_doc_mc", TASKS_DIR, []
+    if case.startswith("pp"):  # pp_layers: as a rank of a 4-process torchrun sees it (refused before any group forms)
+        extra = ["--pp", "2" if case == "pp_world" else "4"]
+        monkeypatch.setenv("WORLD_SIZE", "1" if case == "pp_world" else "4")
+    elif case == "unknown_task":
         tasks = "d3d_doc_mc,no_such_task"
     elif case == "missing_include":
         include = str(tmp_path / "nowhere")
     else:
         ckpt = str(tmp_path / "bare")
         shutil.copytree(checkpoint / "hf", ckpt, ignore=shutil.ignore_patterns("tokenizer*"))
-    assert main(["eval", ckpt, "--tasks", tasks, "--include-path", include]) == 2
+    assert main(["eval", ckpt, "--tasks", tasks, "--include-path", include, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
 
 
-def test_dp2_tp2_under_torchrun_equals_hflm(checkpoint):
+def test_dp2_tp2_and_pp2_under_torchrun_equal_hflm(checkpoint):
     """4 ranks, `--tp 2`: the model sharded over dp 2 (FSDP) x tp 2 (every forward in lockstep),
-    the dp ranks splitting the requests and rank 0 gathering: every loglikelihood equal to lm-eval's
-    own HFLM on the export within 1e-5, every greedy generation and accuracy identical."""
+    the dp ranks splitting the requests and rank 0 gathering; then 2 ranks, `--pp 2`: each rank
+    builds and loads only its stage, the requests through the stages point to point
+    (harness/stages.py). Each: every loglikelihood equal to lm-eval's own HFLM on the export
+    within 1e-5, every greedy generation and accuracy identical."""
     from helpers import torchrun
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     from dtensor3d.harness import evaluate
 
-    out = checkpoint / "dp2_tp2.json"
     args = ["-m", "dtensor3d", "eval", str(checkpoint / "ck"), "--tasks", ",".join(TASKS), "--batch-size", "8"]
-    torchrun(4, [*args, "--tp", "2", "--include-path", TASKS_DIR, "--limit", "6", "--output", str(out)])
+    args += ["--include-path", TASKS_DIR, "--limit", "6"]
     hf = HFLM(pretrained=str(checkpoint / "export"), dtype="float32", batch_size=8, device="cpu")
     theirs = evaluate(hf, TASKS, TaskManager(include_path=TASKS_DIR), limit=6, log_samples=True)
-    requests, worst, metric_worst = _compare(json.loads(out.read_text()), theirs)
-    print(f"\ndp2 x tp2: {requests} requests, max rel loglikelihood error {worst:.2e}, metrics {metric_worst:.2e}")
-    assert requests == 6 * 4 + 6 + 6 and worst <= 1e-5 and metric_worst <= 1e-5, (requests, worst, metric_worst)
+    for name, nproc, mesh in (("dp2 x tp2", 4, ["--tp", "2"]), ("pp2", 2, ["--pp", "2"])):
+        out = checkpoint / f"{name.replace(' ', '')}.json"
+        torchrun(nproc, [*args, *mesh, "--output", str(out)])
+        requests, worst, metric_worst = _compare(json.loads(out.read_text()), theirs)
+        print(f"\n{name}: {requests} requests, max rel loglikelihood error {worst:.2e}, metrics {metric_worst:.2e}")
+        assert requests == 6 * 4 + 6 + 6 and worst <= 1e-5 and metric_worst <= 1e-5, (name, requests, worst)
 
 
 def test_smollm2_equals_hflm_on_the_export(smollm2, tmp_path):
