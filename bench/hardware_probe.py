@@ -239,7 +239,8 @@ def _step_rank(rank: int, path: str, out: str) -> None:
     """One of two tp ranks training the bench model at 3d.yaml's widths (train_step, 6 steps):
     the lowest core seconds a step spends outside forward, backward and AdamW's step (the
     gradients' placements, the norm's partial sum, the world all-reduce of loss and norm, the
-    clip, the metrics), and its DTensor parameters."""
+    clip, the metrics), what AdamW's step adds over the same step on plain tensors of the
+    local shapes, and its DTensor parameters."""
     from common import bench_recipe
 
     import dtensor3d.training.train as train
@@ -262,30 +263,56 @@ def _step_rank(rank: int, path: str, out: str) -> None:
 
     losses, train._losses = train._losses, timed(train._losses)
     state = train.setup(recipe)
-    state.optimizer.step = timed(state.optimizer.step)
+    step, adamw = state.optimizer.step, []
+
+    def optimizer_step(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            adamw.append(time.process_time() - start)
+            inner["s"] += adamw[-1]
+
+    state.optimizer.step = optimizer_step
     source, outside = make_source(recipe), []
-    for step in range(6):
-        batch, inner["s"] = train.rank_batch(state, source, step), 0.0
+    for i in range(6):
+        batch, inner["s"] = train.rank_batch(state, source, i), 0.0
         start = time.process_time()
         train.train_step(state, batch)
         outside.append(time.process_time() - start - inner["s"])
     train._losses = losses
     dtensors = sum(1 for q in state.params if hasattr(q, "device_mesh"))
+    extra = min(adamw[1:]) - _plain_adamw_cpu(state.optimizer)
     if rank == 0:
         with open(out, "w") as f:
-            f.write(f"{min(outside[1:])} {dtensors}")
+            f.write(f"{min(outside[1:])} {extra} {dtensors}")
     dist.destroy_process_group()
 
 
-def dtensor_grad_us(collective_s: float) -> float:
-    """The core time a step spends outside forward, backward and AdamW's step on a real
-    two-rank tp mesh, less its world all-reduce's (`collective_s` each, 2 steps: plan counts
-    them), per DTensor parameter (plan: dtensor_grad_us). Microseconds."""
+def _plain_adamw_cpu(optimizer) -> float:
+    """Core seconds of the same AdamW step (its groups and options) over plain tensors of the
+    parameters' local shapes."""
+    from dtensor3d.parallel.shards import local
+
+    groups = []
+    for group in optimizer.param_groups:
+        params = [torch.zeros_like(local(q.detach())) for q in group["params"]]
+        for q in params:
+            q.grad = torch.ones_like(q)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    return _best_cpu(torch.optim.AdamW(groups).step)
+
+
+def step_host_us(collective_s: float) -> tuple[float, float]:
+    """On a real two-rank tp mesh, per DTensor parameter (microseconds): the core time a step
+    spends outside forward, backward and AdamW's step, less its world all-reduce's
+    (`collective_s` each, 2 steps: plan counts them) -- plan's dtensor_grad_us -- and what
+    AdamW's step adds over plain tensors (dtensor_param_us)."""
     path, out = tempfile.mktemp(), tempfile.mktemp()
     mp.spawn(_step_rank, args=(path, out), nprocs=2)
-    outside, dtensors = map(float, open(out).read().split())
+    outside, adamw, dtensors = map(float, open(out).read().split())
     os.unlink(out)
-    return (outside - 2 * collective_s) / dtensors * 1e6
+    return (outside - 2 * collective_s) / dtensors * 1e6, adamw / dtensors * 1e6
 
 
 def main() -> None:
@@ -296,16 +323,17 @@ def main() -> None:
 
     hw = lookup("cpu-gloo")
     gflops, gbps, op = matmul_gflops(), stream_gbps(), op_overhead_us()
-    fsdp_unit, dtensor_param = wrapper_us()
+    fsdp_unit, one_rank_param = wrapper_us()
     lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
     tp_op = tp_linear_us(lat_cpu + dtensor_call)
-    grad = dtensor_grad_us(lat_cpu)
+    grad, dtensor_param = step_host_us(lat_cpu)  # on a real two-rank mesh (wrapper_us': one rank)
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
     print(f"tp-sharded linear's host time {tp_op:.0f} us (table tp_linear_us {hw.tp_linear_us})")
     print(f"FSDP2 hooks per unit and microbatch {fsdp_unit:.0f} us (table fsdp_unit_us {hw.fsdp_unit_us})")
-    print(f"AdamW per DTensor parameter {dtensor_param:.0f} us (table dtensor_param_us {hw.dtensor_param_us})")
+    print(f"AdamW per DTensor parameter {dtensor_param:.0f} us, two ranks ({one_rank_param:.0f} on one rank's mesh)")
+    print(f"  (table dtensor_param_us {hw.dtensor_param_us})")
     print(f"step bookkeeping per DTensor parameter {grad:.0f} us (table dtensor_grad_us {hw.dtensor_grad_us})")
     print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us (table {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
     print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us (table {hw.collective_cpu_us})")
