@@ -11,8 +11,9 @@ than text.yaml's 400 steps (60 by default).
 Muon's runs keep AdamW's lr (text.yaml's) for the embedding, head and norms and sweep
 optimizer.muon_lr (torch's default lr adjustment, "original").
 
-usage: python bench/muon.py [--steps 60] [--data DIR]   (DIR: a prepared stdlib directory;
-default: prepared here into a temporary directory)
+usage: python bench/muon.py [--steps 60] [--data DIR] [--overhead-only]   (DIR: a prepared
+stdlib directory; default: prepared here into a temporary directory. --overhead-only: the step
+time and byte tables alone, for a rerun on a quiet machine)
 """
 
 from __future__ import annotations
@@ -98,10 +99,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--data")
+    ap.add_argument("--overhead-only", action="store_true", help="skip the sweep: step times and bytes only")
     args = ap.parse_args()
     data = args.data or prepare(os.path.join(tempfile.mkdtemp(prefix="bench-stdlib-"), "stdlib"))
+    if not args.overhead_only:
+        compare(data, args.steps)
+    print(f"\n(load average before the step times: {os.getloadavg()[0]:.1f})")
+    print("\n| mesh | AdamW step | Muon step | ratio |\n|---|---|---|---|")
+    print("\n".join(overhead(data)), flush=True)
+    print(
+        "\n| mesh | Muon matrices | sent per rank per step (mean) | owner's bf16 matrices (mean) |\n|---|---|---|---|"
+    )
+    print("\n".join(plan_bytes()))
+
+
+def compare(data: str, steps: int) -> None:
+    """The sweep, its validation-loss table and each optimizer's best run."""
     print("each run's validation loss as it finishes:", flush=True)
-    runs = sweep(data, args.steps)
+    runs = sweep(data, steps)
     evals = [s for s, _ in val(next(iter(runs.values())))]
     print("| run | " + " | ".join(f"val @{s}" for s in evals) + " |")
     print("|---|" + "---|" * len(evals))
@@ -113,12 +128,6 @@ def main() -> None:
     for k, n in best.items():
         reach = next((s for s, v in val(runs[n]) if v <= target), None)
         print(f"| {k} | {n} | {val(runs[n])[-1][1]:.3f} | {reach if reach is not None else 'not reached'} |")
-    print("\n| mesh | AdamW step | Muon step | ratio |\n|---|---|---|---|")
-    print("\n".join(overhead(data)), flush=True)
-    print(
-        "\n| mesh | Muon matrices | sent per rank per step (mean) | owner's bf16 matrices (mean) |\n|---|---|---|---|"
-    )
-    print("\n".join(plan_bytes()))
 
 
 if __name__ == "__main__":
