@@ -27,6 +27,7 @@ from bench.common import ROOT  # noqa: E402
 
 RUNS = {
     "bf16": [],
+    "fp32": ["training.dtype=float32"],  # how far bf16 itself is from full precision
     "float8 tensorwise": ["training.float8={recipe: tensorwise}"],
     "float8 rowwise": ["training.float8={recipe: rowwise}"],
     "state bf16": ["optimizer.state_dtype=bfloat16"],  # AdamW's moments in bf16 (optimizer.state_dtype)
@@ -46,7 +47,8 @@ def prepare(folder: str) -> str:
 def train(name: str, extra: list[str], data: str, steps: int, folder: str, shape: list[str]) -> tuple[list, float]:
     """(the [step, loss] pairs, median seconds per step after the first) of one world-1 run."""
     run_dir = os.path.join(folder, name.replace(" ", "_"))
-    given = [f"training.steps={steps}", "parallelism.dp=1", "training.dtype=bfloat16", "training.device=cpu"]
+    given = [f"training.steps={steps}", "parallelism.dp=1", "training.device=cpu"]
+    given += [] if any(e.startswith("training.dtype=") for e in extra) else ["training.dtype=bfloat16"]
     given += [f"data.path={data}", "checkpoint.dir=null", f"logging.run_dir={run_dir}", "logging.every=1"]
     given += ["training.eval_every=0", *shape, *extra]
     command = [sys.executable, "-m", "dtensor3d", "train", "recipes/text.yaml", *given]
@@ -94,6 +96,8 @@ def main() -> None:
     print("\n".join(compare(curves, seconds)))
     from dtensor3d.training.metrics import _chart
 
+    if not any(curves.values()):
+        return
     chart = _chart([(n, pts) for n, pts in curves.items() if pts], 720, 400, 0, "loss")
     svg = args.svg or os.path.join(folder, "loss.svg")
     with open(svg, "w") as f:
