@@ -180,7 +180,7 @@ def reference_run(run: dict[str, str], recipe, documents: str, reference, shared
 # Runs of seed 0's array that fail today (found by this matrix; open, tracked in issue 24's
 # closing note): each still runs and reports XFAIL, or XPASS once fixed.
 # Found 2026-12-05 by the full tier's sample of the array before the MTP x tied x V-schedule rule
-# changed it (open; neither run is in today's array, so they are not listed below):
+# changed it (open; the first is in today's array again and listed below, the second is not):
 # - model=olmo2-window=6-dtype=bfloat16-cp=2-tp=2_all_reduce-pp=1f1b-recompute=selective-compile=compiled-
 #   float8=tensorwise: compiled float8 with OLMo 2's whole-projection q/k norm under cp 2 x tp 2 x pp 2,
 #   grad_norm 3.73 against the reference's 3.20 at step 3 (a divergence, not rounding);
@@ -196,9 +196,17 @@ def reference_run(run: dict[str, str], recipe, documents: str, reference, shared
 # and 2.75e-2 at step 6 (loss 1e-4), float8's rounding amplifying the ~1e-8 by which pp's sums differ;
 # its bf16 bar (the reference's own 18.4% grad_norm error from fp32, + 3e-3) it misses by 1.1 points.
 # Today's model=olmo2-dtype=bfloat16-pp=afab-float8=rowwise: loss 0, grad_norm 1.0e-7 (passes).
-# The compiled cp 2 x tp 2 x pp 2 tensorwise run above is in today's array again: its reference was at
-# microbatch 2 against its 1 (tensorwise: the amax of another microbatch); not rerun since (8 ranks, compiled).
-KNOWN_FAILURES: dict[str, str] = {}
+_OLMO2_CP_FLOAT8 = (
+    "compiled OLMo 2 x float8 tensorwise under cp 2 x tp 2 x pp 2, rerun 2026-12-05 with its reference at its own "
+    "microbatch size: grad_norm 2.9% off its 1-process float8 run at step 1 (113.0 vs 109.9; loss 1.9e-4), 13% "
+    "off the fp32 run at step 2, over its bf16 bar; under cp each rank's tensorwise amax covers half of each "
+    "sequence (another computation than one process's, as another microbatch size is), and OLMo 2's step-1 "
+    "grad_norm of 110 (clipped to 1) is float8-sensitive; whether that is all: open"
+)
+KNOWN_FAILURES: dict[str, str] = {
+    "model=olmo2-window=6-dtype=bfloat16-cp=2-tp=2_all_reduce-pp=1f1b-recompute=selective-compile=compiled-"
+    "float8=tensorwise": _OLMO2_CP_FLOAT8,
+}
 
 
 def matrix_params() -> list:
