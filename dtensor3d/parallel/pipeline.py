@@ -124,6 +124,9 @@ def merge_stages(parts: list[nn.Module]) -> nn.Module:
     for name in ("mtp", "mtp_embed_tokens"):  # the last stage's MTP modules and embedding copy (models/mtp.py)
         held = [getattr(q.model, name) for q in parts if getattr(q.model, name) is not None]
         setattr(merged.model, name, held[0] if held else None)
+    # whether MTP's copy is the tied head's parameter (models/llama.py keep_only): the merged
+    # model ties its head the way the stage that holds both did
+    merged.model.mtp_shares_head = any(getattr(q.model, "mtp_shares_head", False) for q in parts)
     return merged
 
 
