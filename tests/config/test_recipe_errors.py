@@ -907,7 +907,11 @@ RECIPE_DIR = REPO / "tests" / "recipes"
             ["eval.tasks=[arc_easy]", "eval.every=2", "eval.include_path=/no/such/tasks"],
             ["eval.include_path='/no/such/tasks'", "no such directory"],
         ),
-        ("parity", ["eval.tasks=[arc_easy]", "eval.every=2", "parallelism.pp=2"], ["parallelism.pp=2", "valid pp: 1"]),
+        (
+            "parity",  # any mesh may evaluate in the loop (pp: its stages in turn; cp: its ranks as replicas)
+            ["eval.tasks=[arc_easy]", "eval.every=2", "parallelism.pp=2"],
+            ["eval.tasks=['arc_easy'] needs the data's tokenizer", "got data.kind=synthetic"],
+        ),
         ("parity", ["logging.wandb={project: p, mode: cloud}"], ["logging.wandb.mode='cloud'", "online, offline"]),
         ("parity", ["logging.wandb={projects: p}"], ["logging.wandb.projects", "project, entity, name, mode, tags"]),
         ("moe_parity", ["model.num_experts_per_tok=9"], ["num_experts_per_tok=9", "1..num_local_experts=8"]),
