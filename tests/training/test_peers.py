@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
 
 ROWS = (
@@ -25,6 +26,7 @@ ROWS = (
 NUMBER = r"(\d[\d,]*\.\d)"
 
 
+@pytest.mark.bench
 def test_peers_quick_prints_every_row():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
