@@ -21,6 +21,7 @@ eval forwards are dropped. The data state is a pure function of the step (untouc
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 
@@ -220,6 +221,13 @@ def sharded_model(ckpt: str, tp: int, pp: int = 1):
         raise RecipeError(
             f"eval: --pp={pp}: more pipeline stages than the model's {cfg.num_hidden_layers} layers; "
             f"valid --pp: 1..{cfg.num_hidden_layers} dividing the world size"
+        )
+    heads = math.gcd(cfg.num_attention_heads, cfg.num_key_value_heads)
+    if heads % tp:  # before any process group forms, as the trainer's door (config/checks.py)
+        valid = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise RecipeError(
+            f"eval: --tp={tp}: the model's {cfg.num_attention_heads} attention heads ({cfg.num_key_value_heads} "
+            f"key/value heads) do not split over tp; valid --tp: {valid}"
         )
     device = init_distributed("cuda" if torch.cuda.is_available() else "cpu")
     dp = dist.get_world_size() // (tp * pp)

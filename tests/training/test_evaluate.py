@@ -118,6 +118,7 @@ def test_eval_command_prints_the_table_and_writes_json(checkpoint, capsys):
         ("no_tokenizer", "has no tokenizer.json"),
         ("pp_world", "--pp=2 must be >= 1 with tp x pp = 1 x 2 dividing the world size 1"),
         ("pp_layers", "--pp=4: more pipeline stages than the model's 2 layers"),
+        ("tp_heads", "--tp=4: the model's 4 attention heads (2 key/value heads) do not split over tp; valid --tp: 1"),
     ],
 )
 def test_eval_door_errors(checkpoint, tmp_path, capsys, monkeypatch, case, needle):
@@ -128,6 +129,9 @@ def test_eval_door_errors(checkpoint, tmp_path, capsys, monkeypatch, case, needl
     if case.startswith("pp"):  # pp_layers: as a rank of a 4-process torchrun sees it (refused before any group forms)
         extra = ["--pp", "2" if case == "pp_world" else "4"]
         monkeypatch.setenv("WORLD_SIZE", "1" if case == "pp_world" else "4")
+    elif case == "tp_heads":  # as a rank of a 4-process torchrun sees it: 2 key/value heads cannot split 4 ways
+        extra = ["--tp", "4"]
+        monkeypatch.setenv("WORLD_SIZE", "4")
     elif case == "unknown_task":
         tasks = "d3d_doc_mc,no_such_task"
     elif case == "missing_include":
