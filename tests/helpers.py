@@ -529,3 +529,19 @@ def chat_tokenizer_dir(folder: Path) -> Path:
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A 1-process gloo group in this process (the env torch reads set, and restored after)."""
+    import pytest
+    import torch.distributed as dist
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+            mp.setenv(key, value)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

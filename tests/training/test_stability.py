@@ -11,9 +11,8 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import PARITY, torchrun
+from helpers import PARITY, one_rank_group, torchrun
 
 from dtensor3d.checkpoint.background import Saver
 from dtensor3d.config.load import load_recipe
@@ -28,14 +27,8 @@ SMALL = ["model.num_hidden_layers=1", "training.eval_every=0", "training.micro_b
 @pytest.fixture(scope="module")
 def one_rank():
     """A 1-process gloo group for the module (the env torch reads, restored after)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-            mp.setenv(key, value)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 def test_z_loss_equals_plain_pytorch_on_the_logits(one_rank):

@@ -11,9 +11,8 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torchao.optim.adam as torchao_adam
-from helpers import PARITY
+from helpers import PARITY, one_rank_group
 from safetensors import safe_open
 from torchao.optim import AdamW8bit, _AdamW
 from torchao.optim.subclass_8bit import OptimState8bit
@@ -93,14 +92,8 @@ def test_low_precision_state_step_is_torchaos_bitwise(state_dtype, monkeypatch):
 @pytest.fixture
 def one_rank():
     """A 1-process gloo group (the env torch reads, restored after)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-            mp.setenv(key, value)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 @pytest.mark.parametrize("state_dtype, optimizer", [("bfloat16", "adamw"), ("8bit", "muon")])
