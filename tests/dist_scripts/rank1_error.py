@@ -3,6 +3,7 @@
 Each start appends a line to the file given, so a test can count attempts."""
 
 import os
+import signal
 import sys
 import time
 
@@ -13,4 +14,8 @@ with open(sys.argv[1], "a", encoding="utf-8") as f:
 if os.environ["RANK"] == "1":
     say(DataError("data.path: shard 7 is unreadable (only rank 1 reads it)"))
     sys.exit(2)
+# The supervisor starts its workers with SIGTERM blocked until the trainer's handler takes it
+# (training/faults.py); take it as the trainer does, so the agent's SIGTERM ends this rank at once
+# (else the agent waits its 30 s shutdown timeout and SIGKILLs it).
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 time.sleep(60)
