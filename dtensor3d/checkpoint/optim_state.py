@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.shards import local
-from .slices import SliceReader, boxes, held_indices, read_into_
+from .slices import SliceReader, _runs, boxes, held_indices, read_into_
 
 SCALE = "_scale"  # "<param>.<key>_scale": an 8-bit state's block scales
 BLOCK = 256  # training/optim_lowp.BLOCK (torchao's AdamW8bit default, the block every 8-bit state here has)
@@ -50,14 +50,7 @@ def _flat_index(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def _block_runs(t: torch.Tensor, block: int) -> list[tuple[int, int, int]]:
     """(local block, global block, count) of each run of this rank's blocks in the full tensor's."""
     n = local(t).numel()
-    g = (_flat_index(t, torch.arange(0, n, block)) // block).tolist()
-    runs: list[list[int]] = []
-    for i, b in enumerate(g):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            runs[-1][2] += 1
-        else:
-            runs.append([i, b, 1])
-    return [tuple(r) for r in runs]
+    return _runs((_flat_index(t, torch.arange(0, n, block)) // block).tolist())
 
 
 def add_state(add, name: str, value: torch.Tensor) -> None:
