@@ -4,18 +4,19 @@ bytes of the owner-rank exchange. Pure Python.
 
 Each matrix's holders (the ranks whose pieces meet it: FSDP's and tp's splits; an expert's
 matrix sits whole on one rank, since FSDP and ep cut the experts' dim) send the owner their
-pieces and get theirs back, in bf16: per matrix and replica group 2 x 2 bytes x (numel - the
+pieces and get theirs back, in Newton-Schulz's dtype (optimizer.muon_ns_dtype: bf16 2 bytes, fp32 4):
+per matrix and replica group 2 x width x (numel - the
 owner's piece) sent, counted (as parallel/comm.py counts them) as point-to-point sends on the
 default group: "world", "send_recv". Which rank owns which matrix goes round-robin, so a
 rank's own share varies: the estimate is the stage's total over its ranks (even pieces), and
-the owner's transient, the bf16 matrices it orthogonalises at once, as the mean per rank.
+the owner's transient, the matrices it orthogonalises at once, as the mean per rank.
 """
 
 from __future__ import annotations
 
 from .params import FP32, param_table, shard_numel
 from .shapes import param_shapes, tp_dim
-from .state_bytes import int8_savings
+from .state_bytes import int8_savings, moment_bytes
 
 BF16 = 2
 
@@ -43,6 +44,7 @@ def muon_stage(recipe) -> list[dict[str, int]]:
     "sent_bytes" (the stage's ranks together, per step), "owner_bytes" (mean per rank)}."""
     p = recipe.parallelism
     stage_ranks = p.world_size // p.pp
+    ns = FP32 if recipe.optimizer.muon_ns_dtype == "float32" else BF16  # the pieces' and matrices' width
     full = param_shapes(recipe.model)
     out = [dict(matrices=0, buffer_numel=0, tensors=0, sent_bytes=0, owner_bytes=0) for _ in range(p.pp)]
     for name, row in param_table(recipe).items():
@@ -58,8 +60,8 @@ def muon_stage(recipe) -> list[dict[str, int]]:
         s["matrices"] += count
         s["tensors"] += 1
         s["buffer_numel"] += shard_numel(row["shape"], row["group"] if p.fsdp_enabled else 1)
-        s["sent_bytes"] += replicas * count * 2 * BF16 * (numel - numel // holders)
-        s["owner_bytes"] += replicas * count * numel * BF16 // stage_ranks
+        s["sent_bytes"] += replicas * count * 2 * ns * (numel - numel // holders)
+        s["owner_bytes"] += replicas * count * numel * ns // stage_ranks
     return out
 
 
@@ -67,7 +69,7 @@ def optimizer_bytes(recipe, stage: int, params: int, tensors: int) -> int:
     """A rank's optimizer state: AdamW's two moments and fp32 step per parameter, or under
     muon one momentum buffer (no step) for Muon's; the moments in optimizer.state_dtype
     (fp32 4 B an element, bf16 2 B, 8bit: plan/state_bytes.py's blocks)."""
-    width = BF16 if recipe.optimizer.state_dtype == "bfloat16" else FP32
+    width = moment_bytes(1, recipe.optimizer.state_dtype, blocks=False)  # fp32 4 B, bf16 2 B (8bit: below)
     adamw = 2 * params * width + tensors * FP32
     if recipe.optimizer.name == "muon":
         s = muon_stage(recipe)[stage]

@@ -8,7 +8,8 @@ pipeline split, tp, ep and FSDP2 to a model on the meta device (shapes, no memor
 FSDP2, DTensor and the pipeline split leave on this rank is then read off the parameters:
 each local shape (`parallel.shards.param_layout`), the element count, the bytes of the
 storage each parameter owns (FSDP2 pads every rank's dim-0 chunk to ceil(d0 / n) rows) and
-AdamW's state (two moments shaped like each local parameter, one fp32 `step` per tensor).
+the optimizer's state (plan/state_bytes.py's param_state_bytes: AdamW's two moments of
+each local parameter in optimizer.state_dtype and one fp32 `step` per tensor; Muon's one buffer).
 
 It imports torch (about 10-30 s on a loaded machine); `plan` without --simulate does not.
 """
@@ -19,8 +20,6 @@ from contextlib import contextmanager
 
 from ..errors import RecipeError
 
-STEP_BYTES = 4  # AdamW's per-tensor `step`: a 0-d fp32 tensor
-
 
 def check_rank(recipe, rank: int) -> None:
     """--rank R must name a rank of the recipe's mesh (checked before torch is imported)."""
@@ -29,12 +28,34 @@ def check_rank(recipe, rank: int) -> None:
         raise RecipeError(f"plan --simulate --rank {rank}: the mesh has {world} ranks; valid: 0..{world - 1}")
 
 
-def _count(model) -> dict:
-    """This rank's parameters: element count, owned storage bytes, AdamW state bytes."""
-    from ..parallel.shards import local, param_layout
+def _cuts(q) -> tuple[list[int], int]:
+    """A parameter's tp / ep piece (its shape cut by its Shard placements on the tp and ep
+    mesh dims) and the ranks of the FSDP dims that cut that piece further."""
+    from torch.distributed.tensor import Shard
 
-    layout = param_layout(model)
-    params = stored = nbytes = tensors = 0
+    from ..parallel.shards import is_dtensor
+
+    piece, group = list(q.shape), 1
+    if not is_dtensor(q):
+        return piece, group
+    for dim, size, placement in zip(q.device_mesh.mesh_dim_names, q.device_mesh.shape, q.placements):
+        if isinstance(placement, Shard) and dim in ("tp", "ep"):
+            piece[placement.dim] //= size
+        elif isinstance(placement, Shard):  # FSDP's dim-0 chunks (a _StridedShard over tp too)
+            group *= size
+    return piece, group
+
+
+def _count(model, recipe) -> dict:
+    """This rank's parameters: element count, owned storage bytes, optimizer state bytes
+    (state_bytes.param_state_bytes on each real parameter: the recipe's state_dtype, 8-bit
+    blocks where the piece keeps them, Muon's one buffer)."""
+    from ..parallel.shards import local, param_layout
+    from .muon_cost import is_muon
+    from .state_bytes import param_state_bytes
+
+    layout, muon = param_layout(model), recipe.optimizer.name == "muon"
+    params = stored = nbytes = tensors = state = 0
     for name, q in model.named_parameters():
         t = local(q)
         size = t.element_size()
@@ -42,12 +63,13 @@ def _count(model) -> dict:
         params, nbytes, tensors = params + t.numel(), nbytes + own, tensors + 1
         stored += own // size
         layout[name]["stored_numel"] = own // size
+        piece, group = _cuts(q)
+        state += param_state_bytes(recipe, list(q.shape), piece, group, t.numel(), muon and is_muon(name, q.shape))
     return {
         "params": params,
         "params_stored": stored,
         "param_bytes": nbytes,
-        "optimizer_bytes": sum(2 * local(q).numel() * local(q).element_size() for q in model.parameters())
-        + STEP_BYTES * tensors,
+        "optimizer_bytes": state,
         "tensors": tensors,
         "parameters": layout,
     }
@@ -97,7 +119,7 @@ def simulate(recipe, rank: int) -> dict:
             coords = mesh_coords(mesh)
             model = parallelize(recipe, mesh, coords, torch.device("meta"))
         out = {"rank": rank, "world_size": p.world_size, "coords": coords, "stage": coords["pp"]}
-        out.update(_count(model))
+        out.update(_count(model, recipe))
     finally:
         dist.destroy_process_group()
     return out
@@ -126,7 +148,7 @@ def simulate_lines(sim: dict, size) -> list[str]:
         "  its real parallelized model, built on the meta device under a fake process group",
         f"  parameters {sim['params']:,} in {sim['tensors']} tensors"
         + (f" (+{padded:,} FSDP2 padding stored)" if padded else "")
-        + f", {size(sim['param_bytes'])}; AdamW state {size(sim['optimizer_bytes'])}",
+        + f", {size(sim['param_bytes'])}; optimizer state {size(sim['optimizer_bytes'])}",
         f"  estimate for stage {sim['stage']}: {sim['estimate_params']:,} parameters per rank, "
         f"{size(sim['estimate_param_bytes'])} -- {verdict}",
     ]

@@ -31,6 +31,26 @@ def quantised(full: list[int], piece: list[int], group: int) -> bool:
     return chunk % BLOCK == 0 and (piece[0] * inner) % BLOCK == 0
 
 
+def moment_bytes(numel: int, state_dtype: str, blocks: bool) -> int:
+    """Bytes of one optimizer moment (AdamW's m or v, Muon's buffer) of `numel` elements on a
+    rank: fp32 4 B an element, bf16 2 B; 8bit where the parameter keeps torchao's blocks
+    (`quantised`) its codes, block scales and code map, else fp32."""
+    if state_dtype == "8bit" and blocks:
+        return numel + FP32 * numel // BLOCK + QMAP_BYTES
+    return numel * (2 if state_dtype == "bfloat16" else FP32)
+
+
+def param_state_bytes(recipe, full: list[int], piece: list[int], group: int, numel: int, muon: bool) -> int:
+    """One parameter's optimizer state on a rank that holds `numel` of its elements (`full`:
+    its shape, `piece`: its tp / ep piece, `group`: the FSDP ranks cutting that piece):
+    AdamW's two moments and fp32 step, or a Muon matrix's one buffer (`muon`). What
+    `plan --simulate` sums over a rank's real parameters; the estimate's optimizer bytes
+    (muon_cost.optimizer_bytes) are the same sum over plan's shape table."""
+    state = recipe.optimizer.state_dtype
+    one = moment_bytes(numel, state, quantised(full, piece, group))
+    return one if muon else 2 * one + FP32
+
+
 def int8_savings(recipe, stage: int, one_moment) -> int:
     """Bytes the 8-bit blocks save on pp rank `stage` against fp32 moments; `one_moment(name,
     shape)`: a parameter with Muon's one buffer instead of AdamW's two moments."""
@@ -45,7 +65,7 @@ def int8_savings(recipe, stage: int, one_moment) -> int:
             continue
         n = shard_numel(row["shape"], group)
         moments = 1 if one_moment(name, shape) else 2
-        saved += moments * (FP32 * n - (n + FP32 * n // BLOCK + QMAP_BYTES))
+        saved += moments * (FP32 * n - moment_bytes(n, "8bit", True))
     return saved
 
 

@@ -219,6 +219,26 @@ MESHES = {
         PARITY,
         ["model.num_nextn_predict_layers=2", "parallelism.pp=2", "model.tie_word_embeddings=true"],
     ),
+    # optimizer.state_dtype: the optimizer bytes of each real parameter (plan/state_bytes.py's
+    # param_state_bytes on the rank's shards) against the estimate's; dp 2's 8-bit states are
+    # 279,452 B on rank 0, what the ranks measured (bench/plan_accuracy.py's AdamW column)
+    "dp2_fsdp_state_8bit": (PARITY, ["parallelism.dp=2", "optimizer.state_dtype=8bit"]),
+    "tp2_dp2_state_bf16": (PARITY, ["parallelism.tp=2", "parallelism.dp=2", "optimizer.state_dtype=bfloat16"]),
+    "moe_ep2_dp2_muon_8bit": (
+        MOE,
+        ["parallelism.ep=2", "parallelism.dp=2", "optimizer.name=muon", "optimizer.state_dtype=8bit"],
+    ),
+    # row-parallel shards 256 wide: whole 8-bit blocks under tp (the parity model's 32 are refused)
+    "tp2_wide_state_8bit": (
+        PARITY,
+        [
+            "parallelism.tp=2",
+            "optimizer.state_dtype=8bit",
+            "model.hidden_size=512",
+            "model.intermediate_size=1024",
+            "model.num_hidden_layers=2",
+        ],
+    ),
 }
 
 
