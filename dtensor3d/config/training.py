@@ -87,6 +87,14 @@ class OptimizerConfig:
     muon_momentum: float = knob(0.95, "muon: the momentum of torch.optim.Muon")
     muon_nesterov: bool = knob(True, "muon: Nesterov momentum")
     muon_ns_steps: int = knob(5, "muon: Newton-Schulz iterations (torch's coefficients), 1 to 99")
+    muon_ns_dtype: Literal["bfloat16", "float32"] = knob(
+        "bfloat16",
+        "muon: the dtype Newton-Schulz runs in: bfloat16 (torch.optim.Muon's: its input rounded to bf16, bitwise "
+        "torch's) or float32 (torch's iteration, coefficients, normalisation and steps without the rounding; the "
+        "owner exchange sends fp32 pieces, twice the bytes). In bf16 a mesh's ~1e-7 different gradient sums flip "
+        "single roundings that grow (grad norm 1e-5 to 5e-4 off one process by step 6); in fp32 every mesh stays "
+        "within ~2e-7 of one process",
+    )
     muon_adjust_lr: Literal["original", "match_rms_adamw"] = knob(
         "original",
         "muon: torch.optim.Muon's adjust_lr_fn: original (lr * sqrt(max(1, out/in))) or match_rms_adamw "

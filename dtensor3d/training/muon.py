@@ -5,7 +5,8 @@ matrices, one expert at a time) on torch.optim.Muon's update of the full matrix;
 both at the scheduled lr (the Muon group's peak: optimizer.muon_lr).
 
 Muon's update per matrix, as torch 2.13's `_single_tensor_muon`: buf.lerp_(g, 1 - momentum);
-u = g.lerp(buf, momentum) (Nesterov) or buf; O = Newton-Schulz(u); p *= 1 - lr * weight_decay;
+u = g.lerp(buf, momentum) (Nesterov) or buf; O = Newton-Schulz(u) (in bf16 as torch's, or in fp32:
+optimizer.muon_ns_dtype); p *= 1 - lr * weight_decay;
 p -= adjust_lr(lr, shape) * O. The momentum buffer is elementwise, so it lives sharded like
 its parameter (and checkpoints save and reshard it like AdamW's moments: "<param>.momentum_buffer"),
 in optimizer.state_dtype like them (training/optim_lowp.py);
@@ -63,6 +64,8 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw.state = self.state  # disjoint keys: one dict for both
         self.param_groups = adamw.param_groups + self.param_groups
         self.units = None  # muon_owners.plan_units, on the first step (every rank of the mesh at once)
+        # Newton-Schulz's dtype; not a group key, so checkpoints' param_groups stay as they were
+        self.ns_dtype = getattr(torch, opt.muon_ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -88,7 +91,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf.copy_(full)
             updates[p] = g.lerp(full, m) if group["nesterov"] else full
         units = [u for u in self.units if u.param.grad is not None]
-        ortho = orthogonalise(units, updates, group["ns_steps"])
+        ortho = orthogonalise(units, updates, group["ns_steps"], self.ns_dtype)
         lr = group["lr"]
         for p in params:
             adjusted = _adjust_lr(lr, group["adjust_lr_fn"], muon_shape(p))

@@ -8,8 +8,9 @@ in a Hugging Face model). Its holders are the ranks whose local piece (checkpoin
 `held_indices`: Shard, FSDP's _StridedShard over tp, ep's expert split) meets it, among the
 ranks that share this rank's coordinates on the mesh dims that replicate the parameter: each
 replica group orthogonalises its own copy, the same bits. Owners go round-robin over the
-units that have the same holders. Pieces travel as point-to-point sends (bf16: torch's
-Newton-Schulz rounds its input to bf16 first and returns bf16), so nothing needs a process
+units that have the same holders. Pieces travel as point-to-point sends in Newton-Schulz's
+dtype (optimizer.muon_ns_dtype; bf16, torch's: its Newton-Schulz rounds its input to bf16
+first and returns bf16; or fp32, the same iteration unrounded), so nothing needs a process
 group of its own, and every rank posts its sends and receives in the same unit order.
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 
 from ..checkpoint.slices import held_indices
 from ..parallel.comm import OPTIMIZER_TAG
@@ -93,23 +94,40 @@ def _piece(u: Unit, tensors: dict) -> torch.Tensor:
     return t if u.mine is None else t[u.mine]
 
 
-def newton_schulz(full: torch.Tensor, expert: bool, steps: int) -> torch.Tensor:
+def zeropower(grad: torch.Tensor, dtype: torch.dtype, steps: int) -> torch.Tensor:
+    """torch 2.13's `_zeropower_via_newtonschulz` with torch's coefficients and eps, its input
+    cast to `dtype` and every step run in it: bfloat16 is torch's own (bitwise), float32 the
+    same iteration without bf16's rounding (optimizer.muon_ns_dtype)."""
+    a, b, c = DEFAULT_A, DEFAULT_B, DEFAULT_C
+    x = grad.to(dtype, copy=True)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=EPS))  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, update, x, beta=a)
+    return x.T if tall else x
+
+
+def newton_schulz(full: torch.Tensor, expert: bool, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """torch.optim.Muon's orthogonalisation of one matrix (an expert's in [out, in] orientation)."""
     m = full.mT if expert else full
-    out = _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), steps, EPS)
+    out = zeropower(m, dtype, steps)
     return out.mT if expert else out
 
 
-def orthogonalise(units: list[Unit], updates: dict, steps: int) -> dict:
-    """Each parameter's local piece of its orthogonalised update (bf16), from the local pieces
-    of its Nesterov update: gather to the owner, Newton-Schulz there, scatter back."""
+def orthogonalise(units: list[Unit], updates: dict, steps: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Each parameter's local piece of its orthogonalised update (in `dtype`, Newton-Schulz's),
+    from the local pieces of its Nesterov update: gather to the owner, Newton-Schulz there, scatter back."""
     me = dist.get_rank() if dist.is_initialized() else 0
-    sent = {p: u.bfloat16() for p, u in updates.items()}
+    sent = {p: u.to(dtype) for p, u in updates.items()}
     out = {p: torch.empty_like(u) for p, u in sent.items()}
     fulls, reqs, arrived = {}, [], []
     for k, u in enumerate(units):  # 1. every piece to its owner
         if u.owner == me:
-            full = fulls[k] = torch.empty(u.shape, dtype=torch.bfloat16, device=sent[u.param].device)
+            full = fulls[k] = torch.empty(u.shape, dtype=dtype, device=sent[u.param].device)
             for rank, ix in u.pieces.items():
                 if rank == me:
                     full[ix] = _piece(u, sent)
@@ -125,16 +143,16 @@ def orthogonalise(units: list[Unit], updates: dict, steps: int) -> dict:
     for full, ix, buf in arrived:
         if full is not None:
             full[ix] = buf
-    return _scatter(units, fulls, out, steps, me)
+    return _scatter(units, fulls, out, steps, me, dtype)
 
 
-def _scatter(units: list[Unit], fulls: dict, out: dict, steps: int, me: int) -> dict:
+def _scatter(units: list[Unit], fulls: dict, out: dict, steps: int, me: int, dtype: torch.dtype) -> dict:
     """2. and 3.: the owner orthogonalises, then every holder receives its piece."""
     reqs, back = [], []
     for k, u in enumerate(units):
         target = _piece(u, out)
         if u.owner == me:
-            ortho = newton_schulz(fulls.pop(k), u.expert is not None, steps)
+            ortho = newton_schulz(fulls.pop(k), u.expert is not None, steps, dtype)
             for rank, ix in u.pieces.items():
                 if rank == me:
                     target.copy_(ortho[ix])
@@ -158,16 +176,17 @@ def _wait(reqs: list) -> None:
         r.wait()
 
 
-def exchanged_bytes(units: list[Unit], me: int) -> tuple[int, int]:
-    """(bytes this rank sends, the owner's largest transient: the bf16 matrices it owns)."""
+def exchanged_bytes(units: list[Unit], me: int, width: int = 2) -> tuple[int, int]:
+    """(bytes this rank sends, the owner's largest transient: the matrices it owns), pieces of
+    `width` bytes an element (bf16 2, fp32 4: optimizer.muon_ns_dtype)."""
     sent = owned = 0
     for u in units:
         rows, cols = u.pieces[me][0].shape[0], u.pieces[me][1].shape[1]
         if u.owner == me:
-            owned += u.shape[0] * u.shape[1] * 2
-            sent += sum(ix[0].shape[0] * ix[1].shape[1] * 2 for r, ix in u.pieces.items() if r != me)
+            owned += u.shape[0] * u.shape[1] * width
+            sent += sum(ix[0].shape[0] * ix[1].shape[1] * width for r, ix in u.pieces.items() if r != me)
         else:
-            sent += rows * cols * 2
+            sent += rows * cols * width
     return sent, owned
 
 

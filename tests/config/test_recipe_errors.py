@@ -235,6 +235,11 @@ CASES = [
         edit={"optimizer.name": "muon", "optimizer.muon_adjust_lr": "rms"},
     ),
     Case("enum-optimizer-name", ("name='sgd'", "adamw", "muon"), edit={"optimizer.name": "sgd"}),
+    Case(
+        "enum-muon-ns-dtype",
+        ("muon_ns_dtype='float16'", "bfloat16", "float32"),
+        edit={"optimizer.name": "muon", "optimizer.muon_ns_dtype": "float16"},
+    ),
     Case("muon-momentum-one", ("optimizer.muon_momentum=1.0", "[0, 1)"), edit={"optimizer.muon_momentum": 1.0}),
     # -- nanotron's long names against the short ones
     Case(

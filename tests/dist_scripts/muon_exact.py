@@ -2,7 +2,8 @@
 Newton-Schulz on the full matrix, bitwise, for the layouts dtensor3d builds: FSDP's Shard(0)
 (and uneven), tp's column Shard(0) and row Shard(1), FSDP over tp (_StridedShard), HSDP's
 Replicate x Shard, ep's experts (each expert alone) with FSDP inside, and a plain tensor.
-Prints one line per layout and "MUON EXACT <n>" when every one is equal.
+Both Newton-Schulz dtypes (optimizer.muon_ns_dtype: bfloat16, float32: the pieces travel in it).
+Prints one line per layout and "MUON EXACT <n> <dtype>" when every one is equal.
 
 usage: torchrun --nproc_per_node=4 muon_exact.py
 """
@@ -26,6 +27,28 @@ LAYOUTS = {
 }
 
 
+def check(units, params: dict, fulls: dict, plain: torch.Tensor, mesh, dtype: torch.dtype) -> None:
+    order = [*params.values(), plain]
+    out = orthogonalise(units, {p: p.to_local() if isinstance(p, DTensor) else p for p in order}, 5, dtype)
+    ok = 0
+    for k, p in params.items():
+        got = DTensor.from_local(out[p], mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        full = fulls[k].to(dtype)
+        want = (
+            torch.stack([newton_schulz(m, True, 5, dtype) for m in full])
+            if full.ndim == 3
+            else newton_schulz(full, False, 5, dtype)
+        )
+        same = torch.equal(got, want)
+        ok += same
+        if dist.get_rank() == 0:
+            print(f"{k} {dtype}: {'equal' if same else 'DIFFERENT'}", flush=True)
+    ok += torch.equal(out[plain], newton_schulz(plain.to(dtype), False, 5, dtype))
+    owners = sorted({u.owner for u in units})
+    if dist.get_rank() == 0 and ok == len(LAYOUTS) + 1:
+        print(f"MUON EXACT {ok} {dtype} owners {owners}", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
@@ -35,22 +58,8 @@ def main() -> None:
     plain = torch.randn(9, 7, generator=gen)
     order = [*params.values(), plain]
     units = plan_units(order)
-    out = orthogonalise(units, {p: p.to_local() if isinstance(p, DTensor) else p for p in order}, 5)
-    ok = 0
-    for k, p in params.items():
-        got = DTensor.from_local(out[p], mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-        full = fulls[k].bfloat16()
-        want = (
-            torch.stack([newton_schulz(m, True, 5) for m in full]) if full.ndim == 3 else newton_schulz(full, False, 5)
-        )
-        same = torch.equal(got, want)
-        ok += same
-        if dist.get_rank() == 0:
-            print(f"{k}: {'equal' if same else 'DIFFERENT'}", flush=True)
-    ok += torch.equal(out[plain], newton_schulz(plain.bfloat16(), False, 5))
-    owners = sorted({u.owner for u in units})
-    if dist.get_rank() == 0 and ok == len(LAYOUTS) + 1:
-        print(f"MUON EXACT {ok} owners {owners}", flush=True)
+    for dtype in (torch.bfloat16, torch.float32):  # optimizer.muon_ns_dtype: torch's bf16, or fp32
+        check(units, params, fulls, plain, mesh, dtype)
     dist.destroy_process_group()
 
 

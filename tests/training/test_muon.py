@@ -98,15 +98,23 @@ def test_update_is_torch_muon_bitwise():
             assert torch.equal(g, q.detach()), name
 
 
-MUON_RUN = ["optimizer.name=muon", "optimizer.muon_adjust_lr=match_rms_adamw", "training.steps=5"]
+# with optimizer.state_dtype bfloat16 (issue 41: the states saved as they are, resumed bitwise on
+# the same mesh and within 1e-5 on another): Muon's momentum and the other parameters' AdamW moments
+MUON_RUN = [
+    "optimizer.name=muon",
+    "optimizer.muon_adjust_lr=match_rms_adamw",
+    "training.steps=5",
+    "optimizer.state_dtype=bfloat16",
+]
 
 
 def test_muon_resumes_bitwise_on_its_mesh_and_on_tp2(shared_run, tmp_path):
-    """Muon's momentum buffers are checkpointed like AdamW's moments ("<param>.momentum_buffer"):
-    a 1-process run saved at step 3 continues bitwise in one process and within 1e-5 at tp 2
-    (the buffers resharded over column and row shards: step 5's loss moves with step 4's
-    momentum). Two steps: past them, tp's ~1e-7 in the gradients grows through bf16
-    Newton-Schulz (measured: grad_norm 2.3e-5 by step 6; the combination matrix's muon bars).
+    """Muon's momentum buffers are checkpointed like AdamW's moments ("<param>.momentum_buffer"),
+    here in bf16 (optimizer.state_dtype) with the AdamW parameters' moments: a 1-process run
+    saved at step 3 continues bitwise in one process and within 1e-5 at tp 2 (the bf16 buffers
+    resharded over column and row shards: step 5's loss moves with step 4's momentum). Two
+    steps: past them, tp's ~1e-7 in the gradients grows through bf16 Newton-Schulz (measured
+    with fp32 states: grad_norm 2.3e-5 by step 6; the combination matrix's muon bars).
     Switching optimizer.name on that resume is one error line at the door."""
     records, root = shared_run(1, [*MUON_RUN, "checkpoint.dir={root}/ck", "checkpoint.interval=3"])
     step = root / "ck" / "step_00000003"
@@ -130,9 +138,36 @@ def test_owner_exchange_is_torch_newton_schulz_bitwise_on_every_layout():
     """4 ranks as a 2 x 2 mesh: FSDP's Shard(0) (uneven), tp's column and row shards, FSDP over
     tp (_StridedShard), HSDP's Replicate x Shard, experts over ep with FSDP inside, a plain
     tensor: each local piece of the owner's orthogonalised update is torch's Newton-Schulz of
-    the full matrix, bit for bit (tests/dist_scripts/muon_exact.py). End to end, a mesh's
-    gradients differ from one process's in the order of their sums (~1e-7), which bf16
-    Newton-Schulz turns into ~1e-5 (the combination matrix's muon bars)."""
+    the full matrix, bit for bit, in bf16 (torch's) and in fp32 (optimizer.muon_ns_dtype)
+    (tests/dist_scripts/muon_exact.py). End to end, a mesh's gradients differ from one
+    process's in the order of their sums (~1e-7), which bf16 Newton-Schulz turns into 1e-5 to
+    5e-4 by step 6, fp32 keeps at ~2e-7 (the combination matrix's muon runs, in fp32)."""
     out = torchrun(4, ["tests/dist_scripts/muon_exact.py"]).stdout
-    assert "MUON EXACT 8" in out, out[-2000:]
+    assert "MUON EXACT 8 torch.bfloat16" in out and "MUON EXACT 8 torch.float32" in out, out[-2000:]
     assert "DIFFERENT" not in out
+
+
+def test_newton_schulz_bf16_is_torchs_bitwise_and_fp32_is_torchs_algorithm_in_fp64():
+    """muon_owners.zeropower at bfloat16 is torch's `_zeropower_via_newtonschulz` bit for bit
+    (wide, tall, square); at float32 (optimizer.muon_ns_dtype) it is torch's own source run in
+    float64 (its one bf16 cast made a float64 one) to 2e-6, where bf16 is ~1e-2 from it."""
+    import inspect
+
+    from torch.optim import _muon
+
+    from dtensor3d.training.muon_owners import zeropower
+
+    source = inspect.getsource(_muon._zeropower_via_newtonschulz)
+    assert source.count("grad.bfloat16()") == 1
+    scope: dict = {}
+    exec(source.replace("grad.bfloat16()", "grad.double()"), dict(vars(_muon)), scope)
+    coefficients = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(64, 24), (24, 64), (40, 40), (96, 17)]:
+        g = torch.randn(shape, generator=gen) * 0.01
+        torch_bf16 = _muon._zeropower_via_newtonschulz(g, coefficients, 5, _muon.EPS)
+        assert torch.equal(zeropower(g, torch.bfloat16, 5), torch_bf16), shape
+        in_fp64 = scope["_zeropower_via_newtonschulz"](g.double(), coefficients, 5, _muon.EPS)
+        ours = zeropower(g, torch.float32, 5)
+        assert ours.dtype == torch.float32 and (ours.double() - in_fp64).abs().max() <= 2e-6, shape
+        assert (torch_bf16.double() - in_fp64).abs().max() > 1e-3  # the rounding float32 takes away
