@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..config.low_precision import float8_all_gather
 from ..config.parallelism import window_tails
 from ..config.schema import V_SCHEDULES
+from .float8_comm import tp_scale_bytes
 from .memory import _moe_layers
 from .params import (
     FP32,
@@ -148,6 +149,11 @@ def _layer_runs(recipe, part: Part):
             )
 
 
+def layers_in_order(part: Part) -> list[int]:
+    """The rank's decoder layers in _layer_runs' order (its stages', each in order)."""
+    return [i for layers in part.stage_layers for i in layers]
+
+
 def _tp_replay(recipe, fwd: dict, moe: bool) -> dict:
     """A layer's forward collectives that full recompute runs again in backward. Recompute
     stops once every tensor backward needs is back (torch's non-reentrant checkpoint), so a
@@ -200,8 +206,13 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
     if not p.tp_enabled:
         return _kinds()
     layers, per_micro, per_step = part.layers, {}, {}
-    for moe, again, split in _layer_runs(recipe, part):
+    for (moe, again, split), i in zip(_layer_runs(recipe, part), layers_in_order(part)):
         fwd, bwd = _tp_layer(recipe, moe)
+        scales = tp_scale_bytes(recipe, i)  # training.float8: torchao's amax all-reduces (plan/float8_comm.py)
+        fwd["all_reduce"], bwd["all_reduce"] = (
+            fwd.get("all_reduce", 0) + scales[0],
+            bwd.get("all_reduce", 0) + scales[1],
+        )
         _add(per_micro, fwd)
         _add(per_micro, bwd)
         _add(per_step, _tp_replay(recipe, fwd, moe), again)
@@ -301,8 +312,7 @@ def cp_bytes(recipe, part: Part, backend: str) -> dict[str, int]:
     stats = (2 * m.num_local_experts + 1) * z.router
     bwd_kind = "reduce_scatter" if backend == "nccl" else "all_reduce"
     mb, per_step = recipe.num_microbatches, {"all_gather": 0, bwd_kind: 0, "all_reduce": 0}
-    indices = [i for layers in part.stage_layers for i in layers]  # _layer_runs' order
-    for (moe, again, _), i in zip(_layer_runs(recipe, part), indices):
+    for (moe, again, _), i in zip(_layer_runs(recipe, part), layers_in_order(part)):
         tokens = cp_gathered_tokens(recipe, i)  # this rank's keys that go out (all: times cp)
         kv = tokens * z.kv_pair * z.compute + (tokens * 8 if recipe.data.document_masking else 0)
         per_step["all_gather"] += (mb + again) * kv

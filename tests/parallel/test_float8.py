@@ -110,6 +110,34 @@ def test_plan_gathers_float8_weights_in_one_byte():
     assert rw == bf16
 
 
+# tp 2 on the parity model in bf16, 8 microbatches: the tp all-reduce bytes rank 0 hands to collectives
+# in step 2 (parallel/comm.py's count, as check_comm reads it), measured 2026-12-05 with each call's
+# torchao call site; bf16 alone: 5,376 (REDUCE_SCATTER: loss_parallel and the norms' gradients) and
+# 920,576 (ALL_REDUCE: also the row outputs and column input gradients).
+MEASURED_TP_ALL_REDUCE = {
+    ("rowwise", "REDUCE_SCATTER", "none"): 177_408,
+    ("rowwise", "ALL_REDUCE", "none"): 1_092_608,
+    ("rowwise", "ALL_REDUCE", "full"): 1_272_832,
+    ("rowwise", "REDUCE_SCATTER", "selective"): 226_560,
+    ("tensorwise", "REDUCE_SCATTER", "none"): 11_264,
+    ("tensorwise", "ALL_REDUCE", "none"): 925_952,
+    ("tensorwise", "REDUCE_SCATTER", "full"): 13_568,
+}
+
+
+@pytest.mark.parametrize("case", list(MEASURED_TP_ALL_REDUCE), ids="-".join)
+def test_plan_counts_the_float8_scale_all_reduces_under_tp(case):
+    """torchao reduces each amax a tp shard cuts as float64 (plan/float8_comm.py): rowwise
+    (8 x 21,504 B a step here: tokens and in / out values per linear) and tensorwise (one value
+    per cast); plan's tp all-reduce bytes equal the measured step's, with full and selective recompute
+    too (the forward's casts run again). The combination matrix checks the same against every
+    float8 x tp run it trains (check_comm)."""
+    recipe, mode, recompute = case
+    given = ["training.dtype=bfloat16", f"training.float8={{recipe: {recipe}}}", "parallelism.tp=2"]
+    given += [f"parallelism.tp_mode={mode}", f"parallelism.recompute={recompute}"]
+    assert comm_bytes(load_recipe(PARITY, given), "gloo")[0]["tp"]["all_reduce"] == MEASURED_TP_ALL_REDUCE[case]
+
+
 def _cuda_autocast_input(_module, args):
     """What torchao's Float8Linear.forward does under CUDA autocast (casts its input to the
     autocast dtype); on CPU it reads no autocast, so the reference gets this pre-hook."""
