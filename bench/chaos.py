@@ -7,11 +7,13 @@ the end against one uninterrupted run of the same recipe and mesh.
 Faults, in a seeded order (each kind in turn, then again): SIGKILL of a rank (the agent restarts
 the job, MAX_RESTARTS), SIGKILL of the launcher's process group (a lost node: its ranks die with
 it; relaunched), SIGSTOP of a rank for longer than training.timeout_s (a hang: the peers time out,
-the agent restarts), SIGTERM to the launcher (preemption: save, exit 0; relaunched), a full disk
-during a save (RLIMIT_FSIZE set on the ranks: the save fails, the job ends with status 2, the
-previous checkpoint is intact; relaunched), and a corrupt newest checkpoint (a byte flipped in a
-tensor file, then the launcher killed: with `checkpoint.on_damaged: previous` the relaunch's door
-sets the step aside and resumes from the one before).
+the agent restarts; once a peer has ended the rank is let go, SIGCONT, so that it takes the
+agent's SIGTERM at once instead of torch's 30 s wait before SIGKILL), SIGTERM to the launcher
+(preemption: save, exit 0; relaunched), a full disk during a save (RLIMIT_FSIZE set on the ranks:
+the save fails, the job ends with status 2, the previous checkpoint is intact; relaunched), and a
+corrupt newest checkpoint (a byte flipped in a tensor file, then the launcher killed: with
+`checkpoint.on_damaged: previous` the relaunch's door sets the step aside and resumes from the one
+before).
 
 At the end: every step appears exactly once in metrics.jsonl, and the losses and grad norms equal
 the uninterrupted run's bitwise. Prints one line:
@@ -22,6 +24,7 @@ the uninterrupted run's bitwise. Prints one line:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -116,7 +119,7 @@ def inject(kind: str, job: Launch, work: Path, rng: random.Random) -> str:
         return f"SIGKILL rank pid {victim}"
     if kind == "hang" and ranks:
         victim = rng.choice(ranks)
-        os.kill(victim, signal.SIGSTOP)  # the agent SIGKILLs it when it restarts the job
+        os.kill(victim, signal.SIGSTOP)  # soak lets it go (SIGCONT) once a peer has timed out and ended
         return f"SIGSTOP rank pid {victim}"
     if kind == "preempt":
         os.kill(job.proc.pid, signal.SIGTERM)
@@ -138,6 +141,18 @@ def inject(kind: str, job: Launch, work: Path, rng: random.Random) -> str:
         return f"flipped a byte of {tensors[0] if tensors else 'nothing'}; SIGKILL the launcher"
     os.killpg(job.proc.pid, signal.SIGKILL)  # kill_launcher (or no ranks up yet)
     return "SIGKILL the launcher's process group"
+
+
+def let_go_when_noticed(job: Launch | None, frozen: set[int] | None) -> set[int] | None:
+    """A hang's ranks (`frozen`: their pids at the fault) get SIGCONT once one of them has ended (a peer
+    timed out: the hang was noticed), so that the stopped one takes the agent's SIGTERM; returns what
+    is still held."""
+    if frozen is None or job is None or (job.running() and set(job.ranks()) == frozen):
+        return frozen
+    for pid in frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    return None
 
 
 def schedule(steps: int, faults: int, seed: int) -> list[tuple[int, str]]:
@@ -167,8 +182,9 @@ def soak(steps: int, plan: list[tuple[int, str]], work: Path, seed: int, say) ->
     args, log, rng = recipe_args(steps, work, "chaos"), work / "chaos.log", random.Random(seed + 1)
     run_dir, pending, injected, launches = work / "chaos" / "run", list(plan), 0, 0
     start, deadline = time.monotonic(), time.monotonic() + 60 * (10 + len(plan) + steps / 10)
-    job = None
+    job, frozen = None, None
     while time.monotonic() < deadline:
+        frozen = let_go_when_noticed(job, frozen)
         if job is None or not job.running():
             if job is not None and job.proc.returncode == 0 and last_step(run_dir) >= steps and not pending:
                 return injected, time.monotonic() - start, True
@@ -177,7 +193,9 @@ def soak(steps: int, plan: list[tuple[int, str]], work: Path, seed: int, say) ->
             since = time.time()
             step, kind = pending.pop(0)
             injected += 1
+            ranks = job.ranks()
             say(f"step {last_step(run_dir)}: fault {injected} ({kind}): {inject(kind, job, work, rng)}")
+            frozen = set(ranks) if kind == "hang" else None
         time.sleep(0.05)
     return injected, time.monotonic() - start, False
 
