@@ -92,7 +92,7 @@ class OptimizerConfig:
         "muon: the dtype Newton-Schulz runs in: bfloat16 (torch.optim.Muon's: its input rounded to bf16, bitwise "
         "torch's) or float32 (torch's iteration, coefficients, normalisation and steps without the rounding; the "
         "owner exchange sends fp32 pieces, twice the bytes). In bf16 a mesh's ~1e-7 different gradient sums flip "
-        "single roundings that grow (grad norm 1e-5 to 5e-4 off one process by step 6); in fp32 every mesh stays "
+        "single roundings that grow (grad norm 2e-5 to 1e-3 off one process by step 6); in fp32 every mesh stays "
         "within ~2e-7 of one process",
     )
     muon_adjust_lr: Literal["original", "match_rms_adamw"] = knob(

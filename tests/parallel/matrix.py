@@ -148,10 +148,20 @@ OPTIONS = (
         },
         model=True,
     ),
-    # Muon on the decoder layers' matrices (training/muon.py), Moonlight's lr adjustment
+    # Muon on the decoder layers' matrices (training/muon.py), Moonlight's lr adjustment, Newton-Schulz
+    # in fp32: torch's bf16 one (the default, tests/training/test_muon.py against torch.optim.Muon)
+    # turns the ~1e-7 by which a mesh's gradient sums differ into 2e-5 to 1e-3 by step 6; in fp32
+    # every mesh stays within 2.1e-7 of one process (docs/guides/optimizers.md), so 1e-5 holds
     Option(
         "optimizer",
-        {"adamw": (), "muon": ("optimizer.name=muon", "optimizer.muon_adjust_lr=match_rms_adamw")},
+        {
+            "adamw": (),
+            "muon": (
+                "optimizer.name=muon",
+                "optimizer.muon_adjust_lr=match_rms_adamw",
+                "optimizer.muon_ns_dtype=float32",
+            ),
+        },
         model=True,
     ),
     # Multi-token prediction (models/mtp.py): one MTP module of the family's block kind; its tokens

@@ -140,8 +140,8 @@ def test_owner_exchange_is_torch_newton_schulz_bitwise_on_every_layout():
     tensor: each local piece of the owner's orthogonalised update is torch's Newton-Schulz of
     the full matrix, bit for bit, in bf16 (torch's) and in fp32 (optimizer.muon_ns_dtype)
     (tests/dist_scripts/muon_exact.py). End to end, a mesh's gradients differ from one
-    process's in the order of their sums (~1e-7), which bf16 Newton-Schulz turns into 1e-5 to
-    5e-4 by step 6, fp32 keeps at ~2e-7 (the combination matrix's muon runs, in fp32)."""
+    process's in the order of their sums (~1e-7), which bf16 Newton-Schulz turns into 2e-5 to
+    1e-3 by step 6, fp32 keeps at ~2e-7 (the combination matrix's muon runs, in fp32)."""
     out = torchrun(4, ["tests/dist_scripts/muon_exact.py"]).stdout
     assert "MUON EXACT 8 torch.bfloat16" in out and "MUON EXACT 8 torch.float32" in out, out[-2000:]
     assert "DIFFERENT" not in out
