@@ -9,6 +9,7 @@ import json
 
 import torch
 from helpers import PARITY, ROOT, cli, one_error_line, torchrun, train_metrics
+from safetensors import safe_open
 
 from dtensor3d.config.load import load_recipe
 from dtensor3d.models import build_on_meta, materialize
@@ -118,10 +119,10 @@ def test_muon_resumes_bitwise_on_its_mesh_and_on_tp2(shared_run, tmp_path):
     Switching optimizer.name on that resume is one error line at the door."""
     records, root = shared_run(1, [*MUON_RUN, "checkpoint.dir={root}/ck", "checkpoint.interval=3"])
     step = root / "ck" / "step_00000003"
-    assert (
-        "model.layers.0.mlp.down_proj.weight.momentum_buffer"
-        in json.loads((step / "state.json").read_text())["tensors"]["optim"]
-    )
+    index = json.loads((step / "state.json").read_text())["tensors"]["optim"]
+    buffer = "model.layers.0.mlp.down_proj.weight.momentum_buffer"
+    with safe_open(str(step / index[buffer]["slices"][0]["file"]), "pt") as f:
+        assert f.get_slice(buffer).get_dtype() == "BF16"  # saved as it is
     same = train_metrics(tmp_path / "one", 1, [*MUON_RUN, f"checkpoint.resume={step}"])
     assert [(r["loss"], r["grad_norm"]) for r in same] == [(r["loss"], r["grad_norm"]) for r in records[3:]]
     tp2 = train_metrics(tmp_path / "tp2", 2, [*MUON_RUN, "parallelism.tp=2", f"checkpoint.resume={step}"])
