@@ -25,6 +25,8 @@ gathers as one uint8 buffer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -129,6 +131,89 @@ def precompute_scales(model: nn.Module, recipe) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def scale_over_cp(model: nn.Module, recipe, cp_mesh) -> None:
+    """Build time, cp > 1 under tensorwise: this stage's Float8Linear modules become
+    `ContextParallelFloat8Linear`, whose input and output-gradient casts take the amax over
+    the cp group too. A cp rank holds part of each sequence, while one process's tensorwise
+    cast scales by the amax of the whole microbatch's tensor: without the all-reduce the scales
+    (and so every float8 rounding) differ from one process's (measured: cp 2 grad_norm 7.5e-3
+    off one process at step 1). Rowwise needs none: its token-wise casts scale per token, and
+    the weight gradient's column scales are powers of 2, which scale the float8 values without
+    changing their rounding (bitwise equal on two halves of a tensor with 3x other ranges)."""
+    if cp_mesh.size() == 1 or float8_recipe(recipe.training) != "tensorwise":
+        return
+    from torchao.float8.float8_linear import Float8Linear
+
+    for module in model.modules():
+        if isinstance(module, Float8Linear):
+            module.__class__ = cp_linear_class()  # same state; FSDP2 swaps classes the same way
+            module.cp_mesh = cp_mesh
+
+
+@functools.cache
+def cp_linear_class() -> type:
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    class ContextParallelFloat8Linear(Float8Linear):
+        """torchao's Float8Linear with its tensorwise input and output gradient cast here,
+        their amax the max over the cp group (and over tp where tp shards the tensor), so that
+        torchao's matmul finds them cast and casts only the weight, as one process does. The
+        output gradient is cast before the bias (whose gradient stays bf16, as one process's)."""
+
+        cp_mesh = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            kind, c = x.device.type, self.config
+            if torch.is_autocast_enabled(kind):  # Float8Linear's own autocast cast (CUDA; _autocast_input elsewhere)
+                x = x.to(torch.get_autocast_dtype(kind))
+            how = (self.linear_mm_config, c.round_scales_to_power_of_2, self.cp_mesh)
+            x = cast_over(x, c.cast_config_input.target_dtype, *how, GemmInputRole.INPUT)
+            y = matmul_with_hp_or_float8_args.apply(x, self.weight.t(), self.linear_mm_config, c)
+            y = _GradOverCp.apply(y, c.cast_config_grad_output.target_dtype, *how)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    class _GradOverCp(torch.autograd.Function):
+        """Forward: y. Backward: y's gradient cast to float8 over the cp group (cast_over);
+        torchao's NoopFwToFloat8BwDynamic with the amax reduced."""
+
+        @staticmethod
+        def forward(ctx, y, dtype, mm_config, power_of_2, cp_mesh):
+            ctx.how = (dtype, mm_config, power_of_2, cp_mesh)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            return cast_over(g, *ctx.how, GemmInputRole.GRAD_OUTPUT), None, None, None, None
+
+    return ContextParallelFloat8Linear
+
+
+def cast_over(x: torch.Tensor, dtype, mm_config, power_of_2: bool, cp_mesh, role) -> torch.Tensor:
+    """x cast to float8 with torchao's tensorwise scale of the tensor the cp ranks (and the tp
+    ranks where x is a tp-sharded DTensor) hold together: the local amax, all-reduced (MAX,
+    traceable functional collectives), then torchao's amax_to_scale and cast. Already float8: x."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_reduce
+    from torch.distributed.tensor import DTensor, Replicate
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    if tensor_already_casted_to_fp8(x):
+        return x
+    spread = isinstance(x, DTensor)
+    with torch.no_grad():
+        amax = torch.max(torch.abs(x.to_local() if spread else x))
+        if spread and any(p.is_shard() for p in x.placements):
+            amax = all_reduce(amax, "MAX", x.device_mesh)
+        amax = all_reduce(amax, "MAX", cp_mesh)
+        amax = amax.wait() if isinstance(amax, AsyncCollectiveTensor) else amax
+        scale = amax_to_scale(amax, dtype, power_of_2)
+    if spread:
+        scale = DTensor.from_local(scale, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+    return hp_tensor_and_scale_to_float8(x, scale, dtype, mm_config, role)
 
 
 def converted(model: nn.Module) -> list[str]:

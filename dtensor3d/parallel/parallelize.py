@@ -9,6 +9,7 @@
                                                (one module per stage; a rank may hold several)
       float8             float8.py             training.float8: torchao's Float8Linear for
                                                the block linears, before tp maps their styles
+                                               (under cp: tensorwise casts over the cp group)
     3 tensor parallel    tensor.py             DTensor styles on whole (unsharded) weights
     4 context parallel   context.py            (step 1: it changes attention, not weights)
     5 expert parallel    expert.py             experts sharded over ep before FSDP sees them
@@ -34,7 +35,7 @@ from .compile import apply_compile, compile_backend
 from .context import sequence_layout
 from .data import apply_fsdp, fsdp_policy
 from .expert import aux_loss_scale, expert_dispatch, shard_experts, token_share
-from .float8 import apply_float8
+from .float8 import apply_float8, scale_over_cp
 from .pipeline import local_stages, merge_stages, split_stage
 from .tensor import apply_tp, vocab_layout
 
@@ -59,8 +60,11 @@ def parallelize_stage(recipe, mesh, stage: int, hooks: ModelHooks) -> nn.Module:
     model = build_on_meta(recipe.model, hooks=hooks)
     split_stage(model, stage, p)
     apply_float8(model, recipe)  # training.float8: torchao's Float8Linear, before the tp styles see them
+    scale_over_cp(model, recipe, mesh["cp"])  # cp > 1, tensorwise: casts scaled by the amax over cp
     if p.tp_enabled:
-        apply_tp(model, mesh["tp"], p, compiled=recipe.training.compile, float8=float8_recipe(recipe.training))
+        # torchao's float8 tp styles cast before the module with the amax over tp only: not under cp
+        styles = float8_recipe(recipe.training) if not p.cp_enabled else None
+        apply_tp(model, mesh["tp"], p, compiled=recipe.training.compile, float8=styles)
         tie_weights(model)  # the vocab-parallel embedding and head share Shard(0) over tp
     if p.ep_enabled:
         shard_experts(model, mesh["ep"])

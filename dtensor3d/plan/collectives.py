@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..config.low_precision import float8_all_gather
 from ..config.parallelism import window_tails
 from ..config.schema import V_SCHEDULES
-from .float8_comm import tp_scale_bytes
+from .float8_comm import cp_scale_bytes, fsdp_scale_tp_bytes, tp_scale_bytes
 from .memory import _moe_layers
 from .params import (
     FP32,
@@ -234,6 +234,7 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
         # per-head q/k norms see this rank's heads: their gradients summed too
         _add(per_step, {"all_reduce": 2 * len(layers) * recipe.model.head_dim * width})
     _add(per_step, {"all_reduce": moe_grad_numel(recipe, part) * FP32})
+    _add(per_step, {"all_reduce": fsdp_scale_tp_bytes(recipe, layers)})
     return _kinds(**per_step)
 
 
@@ -305,7 +306,8 @@ def cp_bytes(recipe, part: Part, backend: str) -> dict[str, int]:
     and with data.document_masking its tokens' int64 document ids (a sliding window's layer: only
     the chunks' tails, `cp_gathered_tokens`); backward reduce-scatters the k, v gradients (gloo:
     all-reduces them). MoE layers all-reduce their routing sums
-    (2E + 1 floats) forward (and in each replay) and backward."""
+    (2E + 1 floats) forward (and in each replay) and backward, and float8 tensorwise each
+    converted linear's input and output-gradient amax (plan/float8_comm.cp_scale_bytes)."""
     p, z, m = recipe.parallelism, sizes(recipe), recipe.model
     if not p.cp_enabled:
         return _kinds()
@@ -318,6 +320,7 @@ def cp_bytes(recipe, part: Part, backend: str) -> dict[str, int]:
         per_step["all_gather"] += (mb + again) * kv
         per_step[bwd_kind] += mb * tokens * p.cp * z.kv_pair * z.compute
         per_step["all_reduce"] += (2 * mb + again) * stats * moe
+        per_step["all_reduce"] += (2 * mb + again) * cp_scale_bytes(recipe, i)  # float8 tensorwise's amaxes
     return _kinds(**per_step)
 
 

@@ -21,15 +21,24 @@ both tp modes, with torchao's call site of each):
   parallel/float8.float8_styles: their backward casts the input again, one more).
 
 On CUDA tensorwise's sequence-parallel block input is gathered in float8
-(PrepareFloat8ModuleInput: its own amax, and a 1-byte gather); plan counts the CPU path."""
+(PrepareFloat8ModuleInput: its own amax, and a 1-byte gather); plan counts the CPU path.
+
+Under cp tensorwise (parallel/float8.scale_over_cp) each converted linear casts its input
+(forward) and output gradient (backward) itself, the bf16 amax (2 B) all-reduced over cp
+(`cp_scale_bytes`) and, where tp shards the tensor (a row-parallel input, a column-parallel
+output gradient), over tp first; torchao's float8 tp styles are off, so of torchao's own
+casts only the weight's remain, forward and again in backward (8 B over tp each), or none
+where FSDP gathers the weights cast (`fsdp_all_gather`: cp > 1 shards them over dp x cp), whose
+per-step scale precompute reduces each tp-split weight's amax over tp (`fsdp_scale_tp_bytes`)."""
 
 from __future__ import annotations
 
-from ..config.low_precision import float8_recipe, float8_weight
+from ..config.low_precision import float8_all_gather, float8_recipe, float8_weight
 from .params import sizes
 from .shapes import param_shapes, tp_dim
 
 AMAX = 8  # torchao reduces amaxes as float64
+BF16 = 2  # scale_over_cp reduces the bf16 amax itself
 
 
 def tp_scale_bytes(recipe, layer: int) -> tuple[int, int]:
@@ -46,10 +55,39 @@ def tp_scale_bytes(recipe, layer: int) -> tuple[int, int]:
         if not weight.startswith(prefix) or dim is None or not float8_weight(weight, tuple(shape)):
             continue
         out, inner = shape
-        if name == "rowwise":
-            fwd += (tokens + out) * (dim == 1)
-            bwd += (tokens + inner) * (dim == 0)
+        if name == "tensorwise" and p.cp_enabled:  # the weight's casts; a sharded input's or gradient's (bf16)
+            weight = AMAX * (not float8_all_gather(recipe.training, p))  # FSDP gathers it cast: none
+            fwd += weight + BF16 * (dim == 1)
+            bwd += weight + BF16 * (dim == 0)
+        elif name == "rowwise":
+            fwd += AMAX * (tokens + out) * (dim == 1)
+            bwd += AMAX * (tokens + inner) * (dim == 0)
         else:
-            fwd += 1 + (dim == 1)  # the weight; a row-parallel linear's input
-            bwd += 1 + (dim == 0) + (dim == 1 and torch_rows)
-    return AMAX * fwd, AMAX * bwd
+            fwd += AMAX * (1 + (dim == 1))  # the weight; a row-parallel linear's input
+            bwd += AMAX * (1 + (dim == 0) + (dim == 1 and torch_rows))
+    return fwd, bwd
+
+
+def fsdp_scale_tp_bytes(recipe, layers: list[int]) -> int:
+    """Per step, FSDP's float8 all-gather under tp: torchao's precompute of the next gathers'
+    scales (parallel/float8.precompute_scales) reduces each tp-split converted weight's amax
+    over tp too, one fp32 value each (the dp side: collectives.dp_bytes)."""
+    p = recipe.parallelism
+    if not (p.tp_enabled and float8_all_gather(recipe.training, p)):
+        return 0
+    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    shapes = param_shapes(recipe.model).items()
+    return 4 * sum(
+        w.startswith(prefixes) and tp_dim(w, recipe.model) is not None and float8_weight(w, tuple(s)) for w, s in shapes
+    )
+
+
+def cp_scale_bytes(recipe, layer: int) -> int:
+    """Bytes of decoder layer `layer`'s amax all-reduces over cp, per cast direction and
+    microbatch (forward: the inputs', backward: the output gradients'): under cp tensorwise one
+    bf16 value per converted linear (parallel/float8.scale_over_cp); 0 otherwise."""
+    if float8_recipe(recipe.training) != "tensorwise" or not recipe.parallelism.cp_enabled:
+        return 0
+    prefix = f"model.layers.{layer}."
+    shapes = param_shapes(recipe.model).items()
+    return BF16 * sum(w.startswith(prefix) and float8_weight(w, tuple(s)) for w, s in shapes)

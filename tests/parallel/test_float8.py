@@ -215,3 +215,61 @@ def test_float8_linears_keep_no_weight_copy_and_plan_counts_it():
         saving = weight_copy_bytes(plans[None], 0) - weight_copy_bytes(plans[recipe], 0)
         assert saving == 2 * 4 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)  # 4 layers' q, o, k, v, gate, up, down
         assert kept[None] - kept[recipe] == saving, kept
+
+
+def test_cp_linear_casts_as_torchao_does_when_its_group_holds_the_whole_tensor():
+    """Under cp tensorwise (parallel/float8.scale_over_cp) a converted linear casts its input and
+    output gradient itself, the amax all-reduced over cp, and torchao's matmul casts only the
+    weight. Where the group holds the whole tensor (one rank here) that is torchao's computation:
+    output, input, weight and bias gradients bitwise Float8Linear's. Across ranks (2-rank check
+    by hand: halves of a batch with 3x and 5x other ranges) the output and the input gradient
+    equal one process's bitwise, where torchao's own casts are 4.9e-2 and 8.4e-2 off; the
+    combination matrix trains cp 2 tensorwise against one process."""
+    import copy
+
+    from helpers import one_rank_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchao.float8 import Float8LinearConfig
+
+    from dtensor3d.parallel.float8 import cp_linear_class, scale_over_cp
+
+    torch.manual_seed(0)
+    x, g = torch.randn(2, 32, 64, dtype=torch.bfloat16), torch.randn(2, 32, 128, dtype=torch.bfloat16)
+    x[:, :16] *= 3
+    one = torch.nn.Sequential(Float8Linear.from_float(torch.nn.Linear(64, 128), Float8LinearConfig()))
+    cp = copy.deepcopy(one)
+    with one_rank_group():
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+        scale_over_cp(cp, NS(training=NS(float8={"recipe": "tensorwise"})), mesh)  # cp 1: nothing to do
+        assert type(cp[0]) is Float8Linear
+        cp[0].__class__, cp[0].cp_mesh = cp_linear_class(), mesh
+        outs = []
+        for model in (one, cp):
+            xs = x.clone().requires_grad_()
+            y = model(xs)
+            y.backward(g)
+            outs.append([y, xs.grad, model[0].weight.grad, model[0].bias.grad])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+# Measured by hand (logging.layout's step-2 collective bytes, rank 0, parity model, microbatch 1,
+# float8 tensorwise): (cp's all-reduce, tp's all-reduce); cp 2's cp group is also dp x cp's.
+MEASURED_CP = {"cp2": (131_968, 0), "cp2-tp2": (66_432, 297_008)}
+
+
+@pytest.mark.parametrize("mesh", list(MEASURED_CP))
+def test_plan_counts_the_float8_amax_all_reduces_under_cp(mesh):
+    """Under cp tensorwise each converted linear all-reduces one bf16 amax over cp forward and one
+    backward (28 linears x 8 microbatches x 2 x 2 B = 896 B a step), over tp first where tp
+    shards the tensor; FSDP gathers the weights cast, so
+    torchao's weight casts reduce nothing and its per-step scale precompute one fp32 value per
+    weight over tp. plan's cp and tp all-reduce bytes equal the measured step's."""
+    given = ["training.micro_batch_size=1", "training.dtype=bfloat16", "parallelism.cp=2"]
+    given += ["parallelism.tp=2"] * ("tp2" in mesh)
+    f8, bf16 = (comm_bytes(load_recipe(PARITY, g), "gloo")[0] for g in (given + [_TENSORWISE], given))
+    assert (f8["cp"]["all_reduce"], f8["tp"].get("all_reduce", 0)) == MEASURED_CP[mesh]
+    assert f8["cp"]["all_reduce"] - bf16["cp"]["all_reduce"] == 896
+
+
+_TENSORWISE = "training.float8={recipe: tensorwise}"
