@@ -329,7 +329,7 @@ def test_a_killed_node_takes_its_ranks_and_the_other_node_names_it(tmp_path, job
     its rank dies with its agent (no orphan training unsupervised), the other node's rank fails
     in its next collective, and that node ends with one line naming the lost node, no `done:`
     line, no traceback."""
-    args = ["training.steps=100000", "training.timeout_s=15", f"logging.run_dir={tmp_path / 'run'}"]
+    args = ["training.steps=100000", "training.timeout_s=8", f"logging.run_dir={tmp_path / 'run'}"]
     restarts = "1" if lost == 1 else "0"  # node 0 restarts, waits timeout_s for node 1 to rejoin, then ends
     nodes = two_nodes(jobs, tmp_path, [args, args], MAX_RESTARTS=restarts)
     victim, survivor = nodes[lost], nodes[1 - lost]
@@ -343,7 +343,7 @@ def test_a_killed_node_takes_its_ranks_and_the_other_node_names_it(tmp_path, job
     assert f"node {lost} " in lines[0] and "was lost" in lines[0] and "done:" not in survivor.text()
     if restarts == "1":
         assert "restarting (1 of MAX_RESTARTS=1): node 1 was lost;" in survivor.text(), survivor.text()[-3000:]
-        assert "a node did not rejoin within training.timeout_s=15 s (node 1 was lost)" in lines[0], lines
+        assert "a node did not rejoin within training.timeout_s=8 s (node 1 was lost)" in lines[0], lines
     no_traceback(survivor)
 
 
