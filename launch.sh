@@ -40,6 +40,12 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 case "$MAX_RESTARTS" in ''|*[!0-9]*)
   echo "error: MAX_RESTARTS='$MAX_RESTARTS' must be a non-negative integer (restarts after a failed rank; default 0)" >&2; exit 2;;
 esac
+if [ -n "${RDZV_KEEP_ALIVE_S+set}" ]; then  # multi-node: seconds of silence before the rendezvous drops a lost node
+  case "$RDZV_KEEP_ALIVE_S" in ''|*[!0-9]*) KEEP_OK=0;; *) KEEP_OK=$((${#RDZV_KEEP_ALIVE_S} <= 6 && 10#$RDZV_KEEP_ALIVE_S >= 1));; esac
+  if [ "$KEEP_OK" != 1 ]; then
+    echo "error: RDZV_KEEP_ALIVE_S='$RDZV_KEEP_ALIVE_S' must be a positive integer (seconds of silence before the rendezvous drops a lost node; torch's default: 15)" >&2; exit 2
+  fi
+fi
 if [ "$((10#$NNODES_MAX))" -gt 1 ]; then  # the job's nodes share checkpoint.dir's lock (checkpoint/lock.py)
   export DTENSOR3D_JOB="${RDZV_ID:-${SLURM_JOB_ID:-dtensor3d}}@$MASTER_ADDR:$MASTER_PORT"
 fi

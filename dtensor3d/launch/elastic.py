@@ -8,7 +8,8 @@ and `NPROC_PER_NODE` processes on each node. How a resize flows:
    batch splits into whole microbatches, ...) before anything starts.
 2. **The rendezvous** (torch's c10d, `supervise.py`): when a node is lost for good, the other nodes'
    ranks fail in their next collective and their agents re-form the rendezvous with the nodes that
-   are left (at least MIN, after `RDZV_LAST_CALL_S` for stragglers); when a node comes back, the
+   are left (at least MIN, after `RDZV_LAST_CALL_S` for stragglers; the lost node leaves the
+   rendezvous after `RDZV_KEEP_ALIVE_S` of silence, torch's 15 s by default); when a node comes back, the
    running agents see it waiting, stop their ranks (SIGTERM: they save at the step boundary) and
    re-form with it.
 3. **Reshard resume** (`checkpoint/resume.py`): every rank loads the newest complete checkpoint on the

@@ -272,6 +272,9 @@ def rendezvous_parameters(config, cmd_args: list[str], node_rank: int):
         config.rdzv_configs.update(join_timeout=seconds, read_timeout=seconds)
         if "RDZV_LAST_CALL_S" in os.environ:  # elastic: how long a re-forming rendezvous waits for more nodes
             config.rdzv_configs["last_call_timeout"] = int(os.environ["RDZV_LAST_CALL_S"])
+        if "RDZV_KEEP_ALIVE_S" in os.environ:  # a lost node leaves the rendezvous after this silence (torch: 5 s x 3)
+            keep_alive = int(os.environ["RDZV_KEEP_ALIVE_S"])  # launch.sh checked it: a positive integer
+            config.rdzv_configs.update(keep_alive_interval=1, keep_alive_max_attempt=keep_alive)
         config.rdzv_configs["is_host"] = "1" if node_rank == 0 else "0"
     return RendezvousParameters(
         backend=config.rdzv_backend,

@@ -75,6 +75,7 @@ def steps_once(run_dir) -> None:
 
 def test_two_nodes_lose_node_1_and_take_it_back_bitwise(tmp_path, jobs, one_node):
     env = dict(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), MAX_RESTARTS="1")
+    env["RDZV_KEEP_ALIVE_S"] = "5"  # the killed node leaves the rendezvous after 5 s of silence, not torch's 15
     run_args = args(tmp_path)
     node0 = node(jobs, tmp_path, 0, "node0", run_args, env)
     node1 = node(jobs, tmp_path, 1, "node1", run_args, env)
@@ -100,6 +101,7 @@ def test_elastic_shrink_when_a_node_is_lost_and_grow_when_it_returns(tmp_path, j
         MASTER_PORT=str(free_port()),
         MAX_RESTARTS="2",
         RDZV_LAST_CALL_S="1",
+        RDZV_KEEP_ALIVE_S="5",  # the shrink waits for the lost node to leave the rendezvous: 5 s, not torch's 15
     )
     run_args = args(tmp_path, dp="auto")
     node0 = node(jobs, tmp_path, 0, "node0", run_args, env)
@@ -145,6 +147,11 @@ ELASTIC = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
         (dict(NNODES="1:2", NPROC_PER_NODE="2"), "2", "error: NNODES=1:2 is an elastic range, so dp must follow"),
         (dict(NNODES="1:2"), "auto", "error: parallelism.dp=auto: set NPROC_PER_NODE"),
         (dict(NNODES="1:x"), "auto", "error: NNODES='1:x' must be a positive integer N"),
+        (
+            dict(NNODES="1:2", NPROC_PER_NODE="2", RDZV_KEEP_ALIVE_S="0"),
+            "auto",
+            "error: RDZV_KEEP_ALIVE_S='0' must be a positive integer (seconds of silence",
+        ),
     ],
     ids=[
         "min-above-max",
@@ -153,6 +160,7 @@ ELASTIC = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
         "range-with-fixed-dp",
         "no-nproc-per-node",
         "not-a-range",
+        "keep-alive-zero",
     ],  # fmt: skip
 )
 def test_elastic_settings_refused_at_the_door(tmp_path, env, dp, expected):
