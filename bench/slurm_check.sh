@@ -92,10 +92,10 @@ submit() {  # submit NAME STEPS: the job id
     --job-name="$1" --output="$WORK/$1.out" examples/slurm.sbatch "$RECIPE" "${COMMON[@]}" "training.steps=$2")
 }
 state() { scontrol show job "$1" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p'; }
-wait_done() {  # wait_done JOBID SECONDS
-  for _ in $(seq "$2"); do
+wait_done() {  # wait_done JOBID SECONDS (polled every 0.2 s)
+  for _ in $(seq "$(($2 * 5))"); do
     case "$(state "$1")" in COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|"") return 0;; esac
-    sleep 1
+    sleep 0.2
   done
   return 1
 }
@@ -109,7 +109,7 @@ echo "1. sbatch examples/slurm.sbatch: job $job trained 6 steps: $(grep '^done:'
 # 2. scancel --signal=TERM mid-run, then the same script again.
 rm -rf "$WORK/ckpt" "$WORK/run"
 job=$(submit preempt 16) || fail "sbatch refused the job"
-for _ in $(seq 600); do grep -qE "^step +4 " "$WORK/preempt.out" 2>/dev/null && break; sleep 0.5; done
+for _ in $(seq 3000); do grep -qE "^step +4 " "$WORK/preempt.out" 2>/dev/null && break; sleep 0.1; done
 grep -qE "^step +4 " "$WORK/preempt.out" || fail "job $job did not reach step 4"
 scancel --signal=TERM "$job" || fail "scancel refused"
 wait_done "$job" 300 || fail "job $job did not end after SIGTERM"
