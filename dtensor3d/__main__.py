@@ -16,6 +16,7 @@ from .config.checks import validate
 from .config.load import load_recipe
 from .errors import RecipeError, UserError, is_rank0, say
 from .launch.preflight import check_machine
+from .plan.float8_door import check_float8_gather
 from .plan.state_bytes import check_blocks
 
 
@@ -147,6 +148,7 @@ def _validate(args) -> None:
     recipe, nproc = check_node_range(load, auto, args.nnodes, args.nproc_per_node)
     check_machine(recipe, local_processes=nproc)
     check_blocks(recipe)  # optimizer.state_dtype: 8bit against the mesh's shards (plan/state_bytes.py)
+    check_float8_gather(recipe)  # training.float8's FSDP all-gather against the mesh's shards (plan/float8_door.py)
     from .datasets.door import check_data_at_door
     from .harness import check_recipe_eval
 
@@ -173,6 +175,7 @@ def _train(args) -> None:
     validate(recipe, world_size=world if world is not None else 1)
     check_machine(recipe, local_processes=_env_int("LOCAL_WORLD_SIZE") or 1)
     check_blocks(recipe)
+    check_float8_gather(recipe)
     from .datasets.door import check_data_at_door
 
     check_data_at_door(recipe, hashes=False)  # sha256: by validate (launch.sh)

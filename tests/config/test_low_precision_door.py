@@ -6,6 +6,7 @@ from helpers import PARITY, cli, one_error_line
 
 from dtensor3d.config.load import load_recipe
 from dtensor3d.errors import RecipeError
+from dtensor3d.plan.float8_door import check_float8_gather
 from dtensor3d.plan.state_bytes import check_blocks
 
 BF16 = "training.dtype=bfloat16"
@@ -71,3 +72,20 @@ def test_8bit_where_blocks_would_be_cut_is_one_error_line(mesh, words):
 def test_unknown_state_dtype_is_one_error_line():
     line = one_error_line(cli("validate", PARITY, "optimizer.state_dtype=float16"))
     assert "optimizer.state_dtype" in line and "8bit" in line, line
+
+
+def test_float8_all_gather_needs_even_fsdp_shards():
+    """dp 3 on the parity model: the layers' 64-row weights do not split over 3, and FSDP2's
+    float8 all-gather of uneven float8 shards fails (gloo aborts the process: measured); the
+    door refuses it, while fsdp_all_gather: false, rowwise, or hidden 96 (rows 96 / 192) pass."""
+    dp3 = [BF16, "parallelism.dp=3", "training.global_batch_size=3"]
+    with pytest.raises(RecipeError) as caught:
+        check_float8_gather(load_recipe(PARITY, [*dp3, "training.float8={recipe: tensorwise}"]))
+    assert "FSDP over 3 ranks: model.layers.0.self_attn.q_proj.weight's 64 rows" in str(caught.value)
+    assert "fsdp_all_gather: false" in str(caught.value)
+    for fine in (
+        ["training.float8={recipe: tensorwise, fsdp_all_gather: false}"],
+        ["training.float8={recipe: rowwise}"],
+        ["training.float8={recipe: tensorwise}", "model.hidden_size=96", "model.intermediate_size=192"],
+    ):
+        assert check_float8_gather(load_recipe(PARITY, [*dp3, *fine])) is None

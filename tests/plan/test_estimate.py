@@ -87,9 +87,21 @@ def test_step_time_from_peak_and_mfu():
 # Every parity run (tests/parallel/test_parity.py, tests/parallel/test_moe_parity.py) already checks each
 # rank's bytes per collective against the estimate (tests/helpers.py check_comm). The mesh
 # below is the one they lack: FSDP2 with uneven shards (dp 3), whose padding the estimate
-# must count. It runs 2 steps on 3 CPU ranks; step 2 is counted.
+# must count. It runs 2 steps on 3 CPU ranks; step 2 is counted. In bf16 with training.float8
+# tensorwise (FSDP2 gathers the converted weights in float8, 1 byte an element, and all-reduces
+# their scales) and bf16 optimizer states (optimizer.state_dtype: 4 B a parameter); hidden 96, so
+# that the layers' weights split evenly over 3 (the float8 all-gather needs it: the door's
+# check_float8_gather) while the embedding's and the head's 256 rows do not (86, 86, 84: padded).
 MEASURED = {
-    "dp3_uneven": ["parallelism.dp=3", "training.global_batch_size=3"],
+    "dp3_uneven": [
+        "parallelism.dp=3",
+        "training.global_batch_size=3",
+        "training.dtype=bfloat16",
+        "training.float8={recipe: tensorwise}",
+        "optimizer.state_dtype=bfloat16",
+        "model.hidden_size=96",
+        "model.intermediate_size=192",
+    ],
 }
 
 
