@@ -33,6 +33,8 @@ OPTIONAL = (
     "dtensor_param_us",
     "dtensor_collective_us",
     "dtensor_grad_us",
+    "shared_core_factor",
+    "shared_idle",
 )
 
 
@@ -58,6 +60,10 @@ class Hardware:
     dtensor_param_us: float = 0.0  # CPU: what AdamW's step adds per DTensor parameter (FSDP or tp)
     dtensor_collective_us: float = 0.0  # CPU: the host time a collective issued by DTensor (tp) adds, per call
     dtensor_grad_us: float = 0.0  # CPU: a step's gradient bookkeeping (norm, clip, placements) per DTensor parameter
+    # CPU: 8 x cores processes taking turns on the cores (hardware_probe's shared_cores): a process's core
+    # time over its time with a core of its own, and the share of the cores left idle (all blocked)
+    shared_core_factor: float = 1.0
+    shared_idle: float = 0.0
     source: str = ""
 
 
@@ -78,6 +84,8 @@ def _entry(name: str, raw, where: str) -> Hardware:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise RecipeError(f"{where}: hardware {name!r} field {f}: {v!r} must be a positive number")
         values[f] = v
+    if values.get("shared_idle", 0) >= 1:
+        raise RecipeError(f"{where}: hardware {name!r} field shared_idle: {values['shared_idle']!r} must be below 1")
     values["gpus_per_node"] = int(values["gpus_per_node"])
     return Hardware(name=name, source=str(raw.get("source", "")), **values)
 

@@ -25,7 +25,10 @@ Per pp rank and step (m microbatches):
   compute, host dispatch -- eager ops, tp's DTensor linears, FSDP2's hooks, the optimizer's
   DTensor parameters -- and the collectives' core time: the loopback's copies and each
   step's send and receive). Those host costs are the CPU entry's fields (hardware.yaml);
-  a GPU's host runs ahead of it, so they are 0 there.
+  a GPU's host runs ahead of it, so they are 0 there. Ranks taking turns on a core cost more
+  core time each (shared_core_factor: a switched-out rank's caches refilled, the switches, gloo's
+  threads woken) and leave the cores idle a share of the time (shared_idle: every rank blocked on
+  a message in flight); both probed with a generic workload of 8 processes a core (perf.shared).
 
 Global constants (the only calibration): perf_compute.MATMUL_EFF, HBM_EFF, LINK_EFF here.
 """
@@ -196,7 +199,17 @@ def core_seconds(recipe, hw, nodes: int, rows: list[dict]) -> float:
     for part, row, c, stage in zip(rank_parts(recipe), rows, core, stages):
         optimizer = optimizer_seconds(stage["params"], hw, dtensor_params(recipe, part))
         work += sum(row[k] for k in COMPUTE) + sum(c.values()) + optimizer
-    return work * (p.world_size // nodes) / p.pp
+    return work * (p.world_size // nodes) / p.pp * shared(hw, p.world_size // nodes)[0]
+
+
+def shared(hw, ranks: int) -> tuple[float, float]:
+    """A CPU node whose `ranks` outnumber its cores: (what each rank's core time is multiplied by,
+    the share of the cores left idle), hardware_probe's shared_cores measured at 8 ranks a core,
+    taken linearly in ranks per core from none at 1 (the probe's 1 x) to all at 8 and beyond.
+    (1, 0) on a GPU entry and where every rank has a core."""
+    over = ranks / hw.cores_per_node if hw.cores_per_node else 1.0
+    share = min(1.0, max(0.0, (over - 1) / 7))
+    return 1 + (hw.shared_core_factor - 1) * share, hw.shared_idle * share
 
 
 ADVICE = {
@@ -239,7 +252,8 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
     makespan = busy + bubble / (1 - bubble) * others
     tail = max(r["dp_exposed_s"] + r["optimizer_s"] for r in rows)
     oversubscribed = hw.cores_per_node and world // nodes > hw.cores_per_node
-    cores = core_seconds(recipe, hw, nodes, rows) / hw.cores_per_node if oversubscribed else 0.0
+    idle = shared(hw, world // nodes)[1]
+    cores = core_seconds(recipe, hw, nodes, rows) / hw.cores_per_node / (1 - idle) if oversubscribed else 0.0
     step = max(makespan + tail, cores)
     tokens = t.global_batch_size * t.sequence_length
     flops = flops_per_step(recipe)

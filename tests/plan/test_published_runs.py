@@ -94,3 +94,21 @@ def test_hardware_file_missing_a_field(tmp_path):
     assert p.returncode == 2 and p.stdout == ""
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "'mine'" in lines[0] and "hbm_gbps" in lines[0]
+
+
+def test_shared_cores_terms_scale_an_oversubscribed_cpu_node_only():
+    """shared_core_factor and shared_idle (hardware_probe's 8 processes a core) stretch 3d.yaml's
+    16 ranks on 2 cores (core-bound) by factor / (1 - idle); a 2-rank run and GPU entries are unchanged."""
+    import dataclasses
+
+    from dtensor3d.plan.perf import shared
+
+    cpu = lookup("cpu-gloo")
+    probed = dataclasses.replace(cpu, shared_core_factor=1.2, shared_idle=0.1)
+    three_d = load_recipe(str(REPO / "recipes/3d.yaml"), [])
+    two = load_recipe(str(REPO / "recipes/3d.yaml"), ["parallelism.dp=1", "parallelism.pp=1"])
+    step = predict(three_d, cpu, 1)["step_time_s"]
+    assert predict(three_d, probed, 1)["step_time_s"] == pytest.approx(step * 1.2 / 0.9, rel=1e-9)
+    assert predict(two, probed, 1)["step_time_s"] == predict(two, cpu, 1)["step_time_s"]
+    assert shared(probed, 8) == pytest.approx((1 + 0.2 * 3 / 7, 0.1 * 3 / 7))  # 4 ranks a core: 3/7 of the way
+    assert all(shared(lookup(name), 8) == (1.0, 0.0) for name in ("h100", "b200", "mi300x"))
