@@ -148,20 +148,11 @@ OPTIONS = (
         },
         model=True,
     ),
-    # Muon on the decoder layers' matrices (training/muon.py), Moonlight's lr adjustment, Newton-Schulz
-    # in fp32: torch's bf16 one (the default, tests/training/test_muon.py against torch.optim.Muon)
-    # turns the ~1e-7 by which a mesh's gradient sums differ into 2e-5 to 1e-3 by step 6; in fp32
-    # every mesh stays within 2.1e-7 of one process (docs/guides/optimizers.md), so 1e-5 holds
+    # Muon on the decoder layers' matrices (training/muon.py), Moonlight's lr adjustment; Newton-Schulz
+    # as the run's dtype (muon_ns): fp32 in an fp32 run, torch's bf16 one (the default) in a bf16 run
     Option(
         "optimizer",
-        {
-            "adamw": (),
-            "muon": (
-                "optimizer.name=muon",
-                "optimizer.muon_adjust_lr=match_rms_adamw",
-                "optimizer.muon_ns_dtype=float32",
-            ),
-        },
+        {"adamw": (), "muon": ("optimizer.name=muon", "optimizer.muon_adjust_lr=match_rms_adamw")},
         model=True,
     ),
     # Multi-token prediction (models/mtp.py): one MTP module of the family's block kind; its tokens
@@ -450,11 +441,22 @@ def covering(seed: int = 0) -> list[dict[str, str]]:
     return [as_run(r) for r in chosen]
 
 
+def muon_ns(run: dict[str, str]) -> list[str]:
+    """A Muon run's Newton-Schulz dtype: fp32 in an fp32 run, so it is held to 1e-5 -- torch's bf16
+    Newton-Schulz turns the ~1e-7 by which a mesh's gradient sums differ into 2e-5 to 1e-3 in the
+    grad norm by step 6, fp32 keeps every mesh within 2.1e-7 of one process (measured by hand,
+    docs/guides/optimizers.md); torch's bf16 one (the default) in a bf16 run, whose bf16 bars hold
+    it, so the default exchange stays run at meshes (measured: OLMo 2 x float8 rowwise x MTP at dp 2
+    replicate x pp 2 interleaved passes its bf16 bar with bf16 Newton-Schulz, 14.7% against 15.2%,
+    and misses it with fp32, 16.9% against 16.4%: float8's rounding grows either's last bits)."""
+    return ["optimizer.muon_ns_dtype=float32"] if run["optimizer"] == "muon" and run["dtype"] == "float32" else []
+
+
 def overrides(run: dict[str, str], documents: str) -> list[str]:
     """The run's overrides: its options' and the short form (6 steps, microbatches of 2 or 1);
     `documents`: the prepared directory of packed documents."""
     out = ["training.steps=6", f"training.micro_batch_size={micro_batch(run)}"]
-    return out + [o.replace(DOCUMENTS, documents) for opt in OPTIONS for o in opt.values[run[opt.name]]]
+    return out + [o.replace(DOCUMENTS, documents) for opt in OPTIONS for o in opt.values[run[opt.name]]] + muon_ns(run)
 
 
 def reference_overrides(run: dict[str, str], documents: str) -> list[str]:
@@ -469,7 +471,7 @@ def reference_overrides(run: dict[str, str], documents: str) -> list[str]:
     reference keeps 2."""
     model = [o.replace(DOCUMENTS, documents) for opt in OPTIONS if opt.model for o in opt.values[run[opt.name]]]
     mb = micro_batch(run) if run["model"] in EXPERTS or run["float8"] != "off" else 2
-    return ["training.steps=6", f"training.micro_batch_size={mb}", *model]
+    return ["training.steps=6", f"training.micro_batch_size={mb}", *model, *muon_ns(run)]
 
 
 def name(run: dict[str, str]) -> str:
