@@ -35,32 +35,37 @@ Layering (no import circle): format <- slices <- find, check, save <- hf <- back
 lock needs only format's errors, outdir only format's. May import config, models and parallel.shards.
 """
 
-from .check import expected_shapes
-from .find import newest, resolve, resume_dir
-from .format import publish, read_header, seal, sha256_file, step_name
-from .hf import config_from_hf, export_hf, hf_config, import_hf, load_model
-from .lock import hold
-from .resume import check_at_door, load_at_start
-from .save import checkpoint_due, prune
+import importlib
 
-__all__ = [
-    "check_at_door",
-    "checkpoint_due",
-    "config_from_hf",
-    "expected_shapes",
-    "export_hf",
-    "hf_config",
-    "hold",
-    "import_hf",
-    "load_at_start",
-    "load_model",
-    "newest",
-    "prune",
-    "publish",
-    "read_header",
-    "resolve",
-    "resume_dir",
-    "seal",
-    "sha256_file",
-    "step_name",
-]
+# Each name's module, imported at its first use (PEP 562): `checkpoint.lock` alone, as launch.sh's
+# door takes it for logging.run_dir, then costs no torch import (check.py and hf.py import torch).
+_WHERE = {
+    "expected_shapes": "check",
+    "newest": "find",
+    "resolve": "find",
+    "resume_dir": "find",
+    "publish": "format",
+    "read_header": "format",
+    "seal": "format",
+    "sha256_file": "format",
+    "step_name": "format",
+    "config_from_hf": "hf",
+    "export_hf": "hf",
+    "hf_config": "hf",
+    "import_hf": "hf",
+    "load_model": "hf",
+    "hold": "lock",
+    "check_at_door": "resume",
+    "load_at_start": "resume",
+    "checkpoint_due": "save",
+    "prune": "save",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

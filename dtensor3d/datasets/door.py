@@ -22,8 +22,7 @@ import numpy as np
 
 from ..config.data_sources import unique_sources
 from ..errors import DataError
-from .tokendir import META, TOKENIZER, docs_name, mask_name, read_meta, sha256_file
-from .tokens import window_count
+from .tokendir import META, TOKENIZER, docs_name, mask_name, read_meta, sha256_file, window_count
 
 BLOCK = 1 << 24  # tokens per block of the id range check
 

@@ -138,6 +138,14 @@ def read_meta(path: str) -> dict:
     return meta
 
 
+def window_count(tokens: int, sequence_length: int) -> int:
+    """The samples a stream of `tokens` tokens holds: windows of L + 1 tokens, window w being
+    tokens [w * L, w * L + L] (consecutive windows share one token), so (tokens - 1) // L; one
+    sample needs L + 1 tokens. The one definition the door (door.py, which must not import torch)
+    and every reader (tokens.py, sources.TokenFile) use."""
+    return max(0, (tokens - 1) // sequence_length)
+
+
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .tokendir import docs_name, mask_name, read_meta
+from .tokendir import docs_name, mask_name, read_meta, window_count  # noqa: F401 (window_count: re-exported)
 
 MASK64 = (1 << 64) - 1
 
@@ -73,14 +73,6 @@ class FeistelPermutation:
         while x >= self.n:
             x = self._once(x)
         return x
-
-
-def window_count(tokens: int, sequence_length: int) -> int:
-    """The samples a stream of `tokens` tokens holds: windows of L + 1 tokens, window w being
-    tokens [w * L, w * L + L] (consecutive windows share one token), so (tokens - 1) // L; one
-    sample needs L + 1 tokens. The one definition the door (door.py) and every reader (this
-    module, sources.TokenFile) use."""
-    return max(0, (tokens - 1) // sequence_length)
 
 
 def window_documents(offsets: np.ndarray, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -769,6 +769,7 @@ def test_valid_edge_values_accepted():
 def test_validation_imports_no_torch():
     code = (
         "import sys, dtensor3d.recipe, dtensor3d.plan, dtensor3d.__main__\n"
+        "import dtensor3d.checkpoint.lock, dtensor3d.datasets.door  # launch.sh's door without a checkpoint\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
