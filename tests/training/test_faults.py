@@ -188,12 +188,12 @@ def _unfreeze_when_rank0_ends(job: Job, frozen: int, rank0: int) -> None:
 
 def test_failing_job_reports_the_first_failure_and_a_hang_once(tmp_path, jobs):
     """MAX_RESTARTS=1. Attempt 1: rank 1 SIGKILLed (one `restarting` line). Attempt 2: rank 1
-    frozen with SIGSTOP; rank 0's collective times out (training.timeout_s=10) within 60 s.
+    frozen with SIGSTOP; rank 0's collective times out (training.timeout_s=8) within 60 s.
     The job stops with status 1 and exactly one `error:` line: the first failure of the job
     (rank 1 SIGKILLed, with the step rank 0 then named) and the last (rank 0's timeout, naming
     the step), not one line per rank that noticed."""
     run = tmp_path / "run"
-    args = [*BASE, "training.steps=400", "training.timeout_s=10", f"logging.run_dir={run}"]
+    args = [*BASE, "training.steps=400", "training.timeout_s=8", f"logging.run_dir={run}"]
     job = jobs(tmp_path, "job", args, MAX_RESTARTS="1")
     wait_until(at_step(run, 1), job, "step 1")
     os.kill(job.workers()[1], signal.SIGKILL)
@@ -217,7 +217,7 @@ def test_failing_job_reports_the_first_failure_and_a_hang_once(tmp_path, jobs):
         "SIGKILL (then rank 0: step "
     ), lines[0]
     assert last.startswith("rank 0 exited with status 1: step "), lines[0]
-    assert "a collective did not complete within training.timeout_s=10 s" in last, lines[0]
+    assert "a collective did not complete within training.timeout_s=8 s" in last, lines[0]
 
 
 def test_rank_missing_at_the_start_times_out_in_setup(tmp_path):
