@@ -21,6 +21,10 @@ tests/parallel/test_float8.py), so the float8 input gather of sequence paralleli
 each projection casts it after. FSDP2's float8 all-gather goes through on gloo because a
 unit's gathered tensors have mixed dtypes (bf16 norms beside float8 weights), which FSDP2
 gathers as one uint8 buffer.
+
+Context parallelism (tensorwise): a cp rank holds part of each sequence, so `scale_over_cp`
+makes the converted linears cast their input and output gradient with the amax all-reduced over
+cp (one process's scale); torchao's float8 tp styles, which cast over tp only, are then off.
 """
 
 from __future__ import annotations
