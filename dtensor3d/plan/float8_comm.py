@@ -49,6 +49,7 @@ def tp_scale_bytes(recipe, layer: int) -> tuple[int, int]:
         return 0, 0
     tokens, prefix = sizes(recipe).tokens, f"model.layers.{layer}."
     torch_rows = p.sequence_parallel and recipe.training.device != "cuda"  # torch's RowwiseParallel
+    cast = AMAX * (not float8_all_gather(recipe.training, p))  # a weight's cast; FSDP's float8 gather: none
     fwd = bwd = 0
     for weight, shape in param_shapes(recipe.model).items():
         dim = tp_dim(weight, recipe.model)
@@ -56,15 +57,14 @@ def tp_scale_bytes(recipe, layer: int) -> tuple[int, int]:
             continue
         out, inner = shape
         if name == "tensorwise" and p.cp_enabled:  # the weight's casts; a sharded input's or gradient's (bf16)
-            weight = AMAX * (not float8_all_gather(recipe.training, p))  # FSDP gathers it cast: none
-            fwd += weight + BF16 * (dim == 1)
-            bwd += weight + BF16 * (dim == 0)
+            fwd += cast + BF16 * (dim == 1)
+            bwd += cast + BF16 * (dim == 0)
         elif name == "rowwise":
             fwd += AMAX * (tokens + out) * (dim == 1)
             bwd += AMAX * (tokens + inner) * (dim == 0)
         else:
-            fwd += AMAX * (1 + (dim == 1))  # the weight; a row-parallel linear's input
-            bwd += AMAX * (1 + (dim == 0) + (dim == 1 and torch_rows))
+            fwd += cast + AMAX * (dim == 1)  # the weight; a row-parallel linear's input
+            bwd += cast + AMAX * ((dim == 0) + (dim == 1 and torch_rows))
     return fwd, bwd
 
 
