@@ -313,47 +313,50 @@ def step_host_us(collective_s: float) -> tuple[float, float]:
 
 def _pair_rank(rank: int, n: int, path: str, out: str) -> None:
     """One of n processes in 2-rank gloo groups (tp's pattern): 100 times an eager unit (8 small
-    matmuls with an activation, ~0.2 ms) then a 32 KiB all-reduce with its pair. Rank 0 writes
-    the mean core seconds per iteration over the n processes and the wall seconds per iteration."""
+    matmuls with an activation, ~0.2 ms) then a 32 KiB all-reduce with its pair. Rank 0 writes the
+    means over the n processes of: the unit's core seconds (its thread's), the process's core
+    seconds per iteration (gloo's threads too) and the wall seconds per iteration."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
     pair = [dist.new_group([i, i + 1]) for i in range(0, n, 2)][rank // 2]
     x, w, t = torch.randn(128, 64), torch.randn(64, 64) / 8, torch.zeros(2 * 64 * 64)
+    unit = [0.0]
 
     def iterate(times: int) -> None:
         for _ in range(times):
-            y = x
+            start, y = time.thread_time(), x
             for _ in range(8):
                 y = torch.nn.functional.silu(y @ w) + y
+            unit[0] += time.thread_time() - start
             dist.all_reduce(t, group=pair)
 
     iterate(10)
     dist.barrier()
-    wall, core = time.perf_counter(), time.process_time()
+    wall, core, unit[0] = time.perf_counter(), time.process_time(), 0.0
     iterate(100)
-    per = torch.tensor([(time.process_time() - core) / 100, (time.perf_counter() - wall) / 100])
+    per = torch.tensor([unit[0], time.process_time() - core, time.perf_counter() - wall]) / 100
     dist.all_reduce(per)  # the sums over the n processes
     if rank == 0:
         with open(out, "w") as f:
-            f.write(f"{per[0].item() / n} {per[1].item() / n}")
+            f.write(" ".join(str(v / n) for v in per.tolist()))
     dist.destroy_process_group()
 
 
-def shared_cores(cores: int) -> tuple[float, float]:
+def shared_cores(cores: int, wire_s: float) -> tuple[float, float, float]:
     """The same per-process work (_pair_rank) by as many processes as cores and by 8 x as many,
-    which take turns on the cores: (the core time per process at 8 x over its time at 1 x -- a
-    switched-out process's caches refilled, the switches themselves, gloo's threads woken while
-    their peer waits for a core --, the share of the cores left idle at 8 x: every process
-    blocked on a message in flight). Needs a quiet machine: another tenant's load inflates both."""
+    which take turns on the cores: (the eager unit's core time at 8 x over 1 x -- a switched-out
+    process's caches refilled --, the core time of one 2-rank all-reduce at 8 x less its 32 KiB
+    copy's `wire_s` -- gloo's threads woken and switched in while their peer waits for a core --,
+    the share of the cores left idle at 8 x: every process blocked on a message in flight).
+    Needs a quiet machine: another tenant's load inflates them."""
     measured = []
     for n in (2 * -(-cores // 2), 16 * -(-cores // 2)):
         path, out = tempfile.mktemp(), tempfile.mktemp()
         mp.spawn(_pair_rank, args=(n, path, out), nprocs=n)
-        core, wall = map(float, open(out).read().split())
+        measured.append((n, *map(float, open(out).read().split())))
         os.unlink(out)
-        measured.append((n, core, wall))
-    (_, alone, _), (n, shared, wall) = measured
-    return shared / alone, max(0.0, 1 - n * shared / (cores * wall))
+    (_, alone, _, _), (n, unit, core, wall) = measured
+    return unit / alone, core - unit - wire_s, max(0.0, 1 - n * core / (cores * wall))
 
 
 def main() -> None:
@@ -368,7 +371,9 @@ def main() -> None:
     lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
     tp_op = tp_linear_us(lat_cpu + dtensor_call)
     grad, dtensor_param = step_host_us(lat_cpu)  # on a real two-rank mesh (wrapper_us': one rank)
-    factor, idle = shared_cores(hw.cores_per_node)
+    from dtensor3d.plan.perf import LINK_EFF
+
+    factor, shared_call, idle = shared_cores(hw.cores_per_node, 32768 / (hw.intra_node_gbps * 1e9 * LINK_EFF))
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
@@ -380,8 +385,10 @@ def main() -> None:
     print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us (table {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
     print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us (table {hw.collective_cpu_us})")
     print(f"what DTensor's redistribution adds to it {dtensor_call * 1e6:.0f} us (table {hw.dtensor_collective_us})")
-    print(f"{8 * hw.cores_per_node} processes on {hw.cores_per_node} cores: core time x{factor:.3f}", end=" ")
-    print(f"(table shared_core_factor {hw.shared_core_factor}),", end=" ")
+    print(f"{8 * hw.cores_per_node} processes on {hw.cores_per_node} cores:", end=" ")
+    print(f"eager work's core time x{factor:.3f}", end=" ")
+    print(f"(table shared_core_factor {hw.shared_core_factor}), a 2-rank all-reduce's core time", end=" ")
+    print(f"{shared_call * 1e6:.0f} us (table shared_collective_cpu_us {hw.shared_collective_cpu_us}),", end=" ")
     print(f"cores idle {idle:.3f} (table shared_idle {hw.shared_idle})")
 
 

@@ -34,6 +34,7 @@ OPTIONAL = (
     "dtensor_collective_us",
     "dtensor_grad_us",
     "shared_core_factor",
+    "shared_collective_cpu_us",
     "shared_idle",
 )
 
@@ -60,9 +61,11 @@ class Hardware:
     dtensor_param_us: float = 0.0  # CPU: what AdamW's step adds per DTensor parameter (FSDP or tp)
     dtensor_collective_us: float = 0.0  # CPU: the host time a collective issued by DTensor (tp) adds, per call
     dtensor_grad_us: float = 0.0  # CPU: a step's gradient bookkeeping (norm, clip, placements) per DTensor parameter
-    # CPU: 8 x cores processes taking turns on the cores (hardware_probe's shared_cores): a process's core
-    # time over its time with a core of its own, and the share of the cores left idle (all blocked)
+    # CPU: 8 x cores processes taking turns on the cores (hardware_probe's shared_cores): eager work's core
+    # time over its time with a core of its own, a collective step's core time (collective_cpu_us's
+    # stand-in there), and the share of the cores left idle (every process blocked)
     shared_core_factor: float = 1.0
+    shared_collective_cpu_us: float = 0.0
     shared_idle: float = 0.0
     source: str = ""
 

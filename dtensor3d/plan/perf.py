@@ -26,9 +26,11 @@ Per pp rank and step (m microbatches):
   DTensor parameters -- and the collectives' core time: the loopback's copies and each
   step's send and receive). Those host costs are the CPU entry's fields (hardware.yaml);
   a GPU's host runs ahead of it, so they are 0 there. Ranks taking turns on a core cost more
-  core time each (shared_core_factor: a switched-out rank's caches refilled, the switches, gloo's
-  threads woken) and leave the cores idle a share of the time (shared_idle: every rank blocked on
-  a message in flight); both probed with a generic workload of 8 processes a core (perf.shared).
+  core time each -- eager work x shared_core_factor (a switched-out rank's caches refilled), a
+  collective step shared_collective_cpu_us (gloo's threads woken and switched in while the peer
+  waits for a core) -- and leave the cores idle a share of the time (shared_idle: every rank
+  blocked on a message in flight); all probed with a generic workload of 8 processes a core
+  (perf.shared).
 
 Global constants (the only calibration): perf_compute.MATMUL_EFF, HBM_EFF, LINK_EFF here.
 """
@@ -193,23 +195,26 @@ def core_seconds(recipe, hw, nodes: int, rows: list[dict]) -> float:
     loopback's copies -- the wire time -- and each step's send and receive, collective_cpu_us;
     a rank blocked in a collective or in the bubble uses no core: another rank runs)."""
     p = recipe.parallelism
-    core = comm_seconds(recipe, hw, nodes, hw.collective_cpu_us)
+    factor, _, share = shared(hw, p.world_size // nodes)
+    at_8x = hw.shared_collective_cpu_us or hw.collective_cpu_us
+    core = comm_seconds(recipe, hw, nodes, hw.collective_cpu_us + (at_8x - hw.collective_cpu_us) * share)
     work = 0.0
     stages = estimate(recipe, resolve=False)["stages"]
     for part, row, c, stage in zip(rank_parts(recipe), rows, core, stages):
         optimizer = optimizer_seconds(stage["params"], hw, dtensor_params(recipe, part))
-        work += sum(row[k] for k in COMPUTE) + sum(c.values()) + optimizer
-    return work * (p.world_size // nodes) / p.pp * shared(hw, p.world_size // nodes)[0]
+        work += (sum(row[k] for k in COMPUTE) + optimizer) * factor + sum(c.values())
+    return work * (p.world_size // nodes) / p.pp
 
 
-def shared(hw, ranks: int) -> tuple[float, float]:
-    """A CPU node whose `ranks` outnumber its cores: (what each rank's core time is multiplied by,
-    the share of the cores left idle), hardware_probe's shared_cores measured at 8 ranks a core,
-    taken linearly in ranks per core from none at 1 (the probe's 1 x) to all at 8 and beyond.
-    (1, 0) on a GPU entry and where every rank has a core."""
+def shared(hw, ranks: int) -> tuple[float, float, float]:
+    """A CPU node whose `ranks` outnumber its cores: (what each rank's eager work's core time is
+    multiplied by, the share of the cores left idle, the share of the way to the probe's 8 ranks
+    a core), hardware_probe's shared_cores measured at 8 ranks a core, taken linearly in ranks per
+    core from none at 1 (the probe's 1 x) to all at 8 and beyond. (1, 0, 0) on a GPU entry and
+    where every rank has a core."""
     over = ranks / hw.cores_per_node if hw.cores_per_node else 1.0
     share = min(1.0, max(0.0, (over - 1) / 7))
-    return 1 + (hw.shared_core_factor - 1) * share, hw.shared_idle * share
+    return 1 + (hw.shared_core_factor - 1) * share, hw.shared_idle * share, share
 
 
 ADVICE = {

@@ -97,18 +97,22 @@ def test_hardware_file_missing_a_field(tmp_path):
 
 
 def test_shared_cores_terms_scale_an_oversubscribed_cpu_node_only():
-    """shared_core_factor and shared_idle (hardware_probe's 8 processes a core) stretch 3d.yaml's
-    16 ranks on 2 cores (core-bound) by factor / (1 - idle); a 2-rank run and GPU entries are unchanged."""
-    import dataclasses
+    """shared_core_factor, shared_collective_cpu_us and shared_idle (hardware_probe's 8 processes a
+    core) stretch 3d.yaml's 16 ranks on 2 cores (core-bound); a 2-rank run and GPU entries are unchanged."""
+    from dataclasses import replace
 
     from dtensor3d.plan.perf import shared
 
     cpu = lookup("cpu-gloo")
-    probed = dataclasses.replace(cpu, shared_core_factor=1.2, shared_idle=0.1)
     three_d = load_recipe(str(REPO / "recipes/3d.yaml"), [])
     two = load_recipe(str(REPO / "recipes/3d.yaml"), ["parallelism.dp=1", "parallelism.pp=1"])
     step = predict(three_d, cpu, 1)["step_time_s"]
-    assert predict(three_d, probed, 1)["step_time_s"] == pytest.approx(step * 1.2 / 0.9, rel=1e-9)
+    assert predict(three_d, replace(cpu, shared_idle=0.1), 1)["step_time_s"] == pytest.approx(step / 0.9, rel=1e-9)
+    slower = replace(cpu, shared_core_factor=1.2)
+    assert step < predict(three_d, slower, 1)["step_time_s"] < 1.2 * step  # the collectives' core time unscaled
+    calls = replace(cpu, shared_collective_cpu_us=3 * cpu.collective_cpu_us)
+    assert predict(three_d, calls, 1)["step_time_s"] > step
+    probed = replace(cpu, shared_core_factor=1.2, shared_collective_cpu_us=300, shared_idle=0.1)
     assert predict(two, probed, 1)["step_time_s"] == predict(two, cpu, 1)["step_time_s"]
-    assert shared(probed, 8) == pytest.approx((1 + 0.2 * 3 / 7, 0.1 * 3 / 7))  # 4 ranks a core: 3/7 of the way
-    assert all(shared(lookup(name), 8) == (1.0, 0.0) for name in ("h100", "b200", "mi300x"))
+    assert shared(probed, 8) == pytest.approx((1 + 0.2 * 3 / 7, 0.1 * 3 / 7, 3 / 7))  # 4 ranks a core
+    assert all(shared(lookup(name), 8) == (1.0, 0.0, 0.0) for name in ("h100", "b200", "mi300x"))
