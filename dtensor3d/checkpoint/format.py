@@ -17,24 +17,22 @@ import shutil
 import struct
 import sys
 
-import torch
-
 from ..errors import CheckpointError
 
 FORMAT, VERSION = "dtensor3d-checkpoint", 2
 READS = (1, 2)  # format versions this code loads (1: whole tensors per stage; 2: slices)
 SLICES = "dtensor3d.slices"  # safetensors metadata key: JSON {key: {"name", "offset", "shape"}}
-DTYPE_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+DTYPE_NAMES = {  # str(torch dtype): this module imports torch only to write (the door reads without it)
+    "torch.float64": "F64",
+    "torch.float32": "F32",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.int64": "I64",
+    "torch.int32": "I32",
+    "torch.int16": "I16",
+    "torch.int8": "I8",
+    "torch.uint8": "U8",
+    "torch.bool": "BOOL",
 }
 MANIFEST, STATE, POINTER = "manifest.json", "state.json", "latest"
 STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -94,6 +92,8 @@ def save_tensors(tensors: dict, path: str, metadata: dict[str, str] | None = Non
     new file. A value is a tensor, or a (dtype, shape, produce) triple whose produce() gives
     the tensor when its turn comes (export: one full tensor in memory at a time). Unlike
     safetensors' save_file, no second copy of the whole set is ever held."""
+    import torch
+
     specs = {
         k: (v.dtype, list(v.shape), lambda v=v: v) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()
     }
@@ -101,7 +101,7 @@ def save_tensors(tensors: dict, path: str, metadata: dict[str, str] | None = Non
     for key in sorted(specs):
         dtype, shape, _ = specs[key]
         n = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[key] = {"dtype": DTYPE_NAMES[str(dtype)], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     header["__metadata__"] = {"format": "pt", **(metadata or {})}
     raw = json.dumps(header, separators=(",", ":")).encode()
