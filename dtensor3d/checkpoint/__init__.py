@@ -10,7 +10,7 @@ Hugging Face import and export for every model family.
     background.py  the Saver (the loop's only writer; sync or async)
     hf.py          Hugging Face config and names; export_hf, import_hf, load_model
     outdir.py      export-hf's and import-hf's OUT: new, empty, or (--overwrite) one the same command wrote
-    door.py        checkpoint.dir at the door, before any process group (check_at_door: torch only for a step)
+    dir_check.py   checkpoint.dir at the door, before any process group (check_at_door: torch only for a step)
     resume.py      how a run starts from disk: load_at_start
     lock.py        one run at a time per checkpoint directory and per logging.run_dir
 
@@ -32,13 +32,13 @@ in the full tensor in its file's metadata and in state.json's index. A step dire
 written as `.tmp-step_...`, sealed with its manifest and renamed into place, so a reader
 sees a whole step or none.
 
-Layering (no import circle): format <- slices <- find, check, save <- hf <- background, door, resume;
+Layering (no import circle): format <- slices <- find, check, save <- hf <- background, dir_check, resume;
 lock needs only format's errors, outdir only format's. May import config, models and parallel.shards.
 """
 
 import importlib
 
-# Each name's module, imported at its first use (PEP 562): launch.sh's door (lock.py, door.py) then
+# Each name's module, imported at its first use (PEP 562): launch.sh's door (lock.py, dir_check.py) then
 # imports no torch unless there is a step to check (check.py, hf.py and resume.py import torch).
 _WHERE = {
     "expected_shapes": "check",
@@ -56,7 +56,7 @@ _WHERE = {
     "import_hf": "hf",
     "load_model": "hf",
     "hold": "lock",
-    "check_at_door": "door",
+    "check_at_door": "dir_check",
     "load_at_start": "resume",
     "checkpoint_due": "save",
     "prune": "save",

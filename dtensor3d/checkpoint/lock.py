@@ -140,7 +140,7 @@ def locked_dirs(recipe) -> list[tuple[str, str]]:
 
 
 def check_run_dir_lock(recipe) -> None:
-    """The door's check of logging.run_dir's lock (checkpoint.dir's: door.check_at_door)."""
+    """The door's check of logging.run_dir's lock (checkpoint.dir's: dir_check.check_at_door)."""
     for folder, key in locked_dirs(recipe):
         if key == RUN_KEY:
             check_lock(folder, key)

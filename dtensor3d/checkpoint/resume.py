@@ -1,5 +1,5 @@
 """How a run starts from disk: the load in setup (resume from a step directory, or Hugging Face
-init); the checks at the door, before any process group, are door.py's.
+init); the checks at the door, before any process group, are dir_check.py's.
 
 Loading reads, for each tensor, only the regions of the full tensor this rank's piece covers
 (slices.read_into_: safetensors get_slice on the saved slices that intersect them), so a
