@@ -311,16 +311,23 @@ def step_host_us(collective_s: float) -> tuple[float, float]:
     return (outside - 2 * collective_s) / dtensors * 1e6, adamw / dtensors * 1e6
 
 
-def _pair_rank(rank: int, n: int, path: str, out: str) -> None:
-    """One of n processes in 2-rank gloo groups (tp's pattern): 100 times an eager unit (8 small
-    matmuls with an activation, ~0.2 ms) then a 32 KiB all-reduce with its pair. Rank 0 writes the
-    means over the n processes of: the unit's core seconds (its thread's), the process's core
-    seconds per iteration (gloo's threads too) and the wall seconds per iteration."""
+def _pair_rank(rank: int, n: int, path: str, out: str, size: int = 2, kind: str = "all_reduce") -> None:
+    """One of n processes in `size`-rank gloo groups (tp's pattern: pairs all-reducing; FSDP's:
+    groups of 4 reduce-scattering): 100 times an eager unit (8 small matmuls with an activation,
+    ~0.2 ms) then a 32 KiB collective of `kind` in its group. Rank 0 writes the means over the n
+    processes of: the unit's core seconds (its thread's), the process's core seconds per iteration
+    (gloo's threads too) and the wall seconds per iteration."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
-    pair = [dist.new_group([i, i + 1]) for i in range(0, n, 2)][rank // 2]
+    group = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)][rank // size]
     x, w, t = torch.randn(128, 64), torch.randn(64, 64) / 8, torch.zeros(2 * 64 * 64)
-    unit = [0.0]
+    piece, unit = torch.zeros(t.numel() // size), [0.0]
+
+    def collective() -> None:
+        if kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(piece, t, group=group)
+        else:
+            dist.all_reduce(t, group=group)
 
     def iterate(times: int) -> None:
         for _ in range(times):
@@ -328,7 +335,7 @@ def _pair_rank(rank: int, n: int, path: str, out: str) -> None:
             for _ in range(8):
                 y = torch.nn.functional.silu(y @ w) + y
             unit[0] += time.thread_time() - start
-            dist.all_reduce(t, group=pair)
+            collective()
 
     iterate(10)
     dist.barrier()
@@ -359,10 +366,24 @@ def shared_cores(cores: int, wire_s: float) -> tuple[float, float, float]:
     return unit / alone, core - unit - wire_s, max(0.0, 1 - n * core / (cores * wall))
 
 
+def shared_reduce_scatter(cores: int, wire_s: float) -> float:
+    """The check of the ring model (hardware.yaml's collective_steps): the same 8 processes a core
+    in groups of 4 reduce-scattering the 32 KiB (FSDP's pattern): core seconds of one call, less
+    the unit and the copies' `wire_s`. gloo runs it as an all-reduce: 6 ring steps, against the
+    pair all-reduce's 2."""
+    n = 16 * -(-cores // 2)
+    path, out = tempfile.mktemp(), tempfile.mktemp()
+    mp.spawn(_pair_rank, args=(n, path, out, 4, "reduce_scatter"), nprocs=n)
+    unit, core, _ = map(float, open(out).read().split())
+    os.unlink(out)
+    return core - unit - wire_s
+
+
 def main() -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dtensor3d.plan.hardware import lookup
+    from dtensor3d.plan.perf import call_steps
     from dtensor3d.plan.perf_compute import HBM_EFF, MATMUL_EFF
 
     hw = lookup("cpu-gloo")
@@ -373,7 +394,9 @@ def main() -> None:
     grad, dtensor_param = step_host_us(lat_cpu)  # on a real two-rank mesh (wrapper_us': one rank)
     from dtensor3d.plan.perf import LINK_EFF
 
-    factor, shared_call, idle = shared_cores(hw.cores_per_node, 32768 / (hw.intra_node_gbps * 1e9 * LINK_EFF))
+    link_s = 32768 / (hw.intra_node_gbps * 1e9 * LINK_EFF)
+    factor, shared_call, idle = shared_cores(hw.cores_per_node, link_s)
+    rs_call = shared_reduce_scatter(hw.cores_per_node, 2 * 3 / 4 * link_s)
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
@@ -382,14 +405,23 @@ def main() -> None:
     print(f"AdamW per DTensor parameter {dtensor_param:.0f} us, two ranks ({one_rank_param:.0f} on one rank's mesh)")
     print(f"  (table dtensor_param_us {hw.dtensor_param_us})")
     print(f"step bookkeeping per DTensor parameter {grad:.0f} us (table dtensor_grad_us {hw.dtensor_grad_us})")
-    print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us (table {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
-    print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us (table {hw.collective_cpu_us})")
+    steps = call_steps(hw, "all_reduce", 2)  # the table's per-step fields: a 2-rank all-reduce's steps
+    print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us, {steps} steps of {lat * 1e6 / steps:.1f}", end=" ")
+    print(f"(table collective_latency_us {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
+    print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us, a step", end=" ")
+    print(f"{lat_cpu * 1e6 / steps:.1f} (table collective_cpu_us {hw.collective_cpu_us})")
     print(f"what DTensor's redistribution adds to it {dtensor_call * 1e6:.0f} us (table {hw.dtensor_collective_us})")
     print(f"{8 * hw.cores_per_node} processes on {hw.cores_per_node} cores:", end=" ")
     print(f"eager work's core time x{factor:.3f}", end=" ")
     print(f"(table shared_core_factor {hw.shared_core_factor}), a 2-rank all-reduce's core time", end=" ")
-    print(f"{shared_call * 1e6:.0f} us (table shared_collective_cpu_us {hw.shared_collective_cpu_us}),", end=" ")
-    print(f"cores idle {idle:.3f} (table shared_idle {hw.shared_idle})")
+    print(f"{shared_call * 1e6:.0f} us, a step {shared_call * 1e6 / steps:.1f}", end=" ")
+    print(f"(table shared_collective_cpu_us {hw.shared_collective_cpu_us}), cores idle {idle:.3f}", end=" ")
+    print(f"(table shared_idle {hw.shared_idle})")
+    rs_steps = call_steps(hw, "reduce_scatter", 4)
+    print(f"  a 4-rank reduce-scatter's core time there {rs_call * 1e6:.0f} us: {rs_steps} steps of", end=" ")
+    print(
+        f"{rs_call * 1e6 / rs_steps:.1f} us (the ring model's check: the pair's step {shared_call * 1e6 / steps:.1f})"
+    )
 
 
 if __name__ == "__main__":

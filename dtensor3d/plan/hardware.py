@@ -38,6 +38,8 @@ OPTIONAL = (
     "shared_idle",
 )
 
+STEP_MODELS = ("log2", "ring")  # collective_steps' values (Hardware.collective_steps)
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -67,6 +69,11 @@ class Hardware:
     shared_core_factor: float = 1.0
     shared_collective_cpu_us: float = 0.0
     shared_idle: float = 0.0
+    # how many steps (each collective_latency_us, and on a CPU collective_cpu_us of core) one call takes
+    # in a group of n: "log2" ceil(log2 n) (NCCL's trees and rings at their latency); "ring" gloo's
+    # algorithms: an all-reduce 2 (n - 1) steps, an all-gather or all-to-all n - 1, and a reduce-scatter
+    # run as an all-reduce of its whole input (torch's gloo backend has no reduce-scatter of its own)
+    collective_steps: str = "log2"
     source: str = ""
 
 
@@ -90,7 +97,12 @@ def _entry(name: str, raw, where: str) -> Hardware:
     if values.get("shared_idle", 0) >= 1:
         raise RecipeError(f"{where}: hardware {name!r} field shared_idle: {values['shared_idle']!r} must be below 1")
     values["gpus_per_node"] = int(values["gpus_per_node"])
-    return Hardware(name=name, source=str(raw.get("source", "")), **values)
+    steps = raw.get("collective_steps", "log2")
+    if steps not in STEP_MODELS:
+        raise RecipeError(
+            f"{where}: hardware {name!r} field collective_steps: {steps!r}; valid: {', '.join(STEP_MODELS)}"
+        )
+    return Hardware(name=name, source=str(raw.get("source", "")), collective_steps=steps, **values)
 
 
 def _read(path: Path, where: str) -> dict[str, tuple[Hardware, list[str]]]:

@@ -78,15 +78,16 @@ def group_link(dims: dict[str, int], axes, hw, nodes: int, world: int) -> tuple[
     return n, min(hw.intra_node_gbps, k * hw.inter_node_gbps) * 1e9 * LINK_EFF
 
 
-def collective_seconds(kinds: dict[str, int], n: int, bandwidth: float) -> float:
-    """Wire time of a dim's bytes (what one rank hands each kind) over a ring of n ranks."""
+def collective_seconds(kinds: dict[str, int], n: int, bandwidth: float, ring: bool = False) -> float:
+    """Wire time of a dim's bytes (what one rank hands each kind) over a ring of n ranks (`ring`:
+    gloo's algorithms, a reduce-scatter runs as an all-reduce of its input, Hardware.collective_steps)."""
     if n <= 1:
         return 0.0
     total = 0.0
     for kind, b in kinds.items():
         if kind == "total" or not b:
             continue
-        factor = WIRE[kind]
+        factor = WIRE["all_reduce" if ring and kind == "reduce_scatter" else kind]
         if factor is None:  # all-gather: the rank's piece goes to n - 1 others
             wire = b * (n - 1)
         elif factor == 0.0:
@@ -123,17 +124,51 @@ def _comm_parts(recipe, hw, nodes: int) -> list[dict[str, tuple[float, int]]]:
     p = recipe.parallelism
     dims, world = p.dims, p.world_size
     out = []
+    ring = hw.collective_steps == "ring"
     for part, per_dim in zip(rank_parts(recipe), comm_bytes(recipe, "nccl")):
         calls, row = _calls(recipe, part), {}
         for dim, kinds in per_dim.items():
             n, bw = group_link(dims, GROUP_AXES[dim], hw, nodes, world)
             if dim == "pp":
                 n = 2 if p.pp_enabled else 1
-            hops = math.ceil(math.log2(max(n, 2)))
+            split = kind_calls(recipe, part, dim, kinds, calls[dim])
+            steps = sum(c * call_steps(hw, kind, n) for kind, c in split.items()) if n > 1 else 0
             host = calls[dim] * hw.dtensor_collective_us * 1e-6 if dim == "tp" and n > 1 else 0.0
-            row[dim] = (collective_seconds(kinds, n, bw) + host, calls[dim] * hops * (n > 1))
+            row[dim] = (collective_seconds(kinds, n, bw, ring) + host, steps)
         out.append(row)
     return out
+
+
+def call_steps(hw, kind: str, n: int) -> int:
+    """Steps of one call of `kind` in a group of n (Hardware.collective_steps): ceil(log2 n); on a
+    ring entry (gloo) an all-reduce's 2 (n - 1) -- a reduce-scatter's too, gloo runs it as one --,
+    an all-gather's or all-to-all's n - 1, a send's 1."""
+    if hw.collective_steps != "ring":
+        return math.ceil(math.log2(max(n, 2)))
+    return {"all_reduce": 2 * (n - 1), "reduce_scatter": 2 * (n - 1), "send_recv": 1}.get(kind, n - 1)
+
+
+def kind_calls(recipe, part, dim: str, kinds: dict[str, int], calls: int) -> dict[str, float]:
+    """A dim's `calls` per step by collective kind: tp's layer calls half all-gathers and half
+    reduce-scatters under sequence parallelism (all-reduces otherwise) and the embedding's and
+    loss_parallel's all-reduces; FSDP's one reduce-scatter per unit, its other calls all-gathers;
+    the world's stats all-reduce (train.train_step) and step times' all-gather (metrics.py);
+    elsewhere equal shares of the kinds the dim hands bytes to."""
+    p, m = recipe.parallelism, recipe.num_microbatches
+    present = [k for k in WIRE if kinds.get(k)]
+    if not calls or not present:
+        return {}
+    if dim == "tp":
+        edge = m * (part.first + LOSS_PARALLEL_CALLS * part.last)
+        layer = calls - edge
+        split = {"all_gather": layer / 2, "reduce_scatter": layer / 2} if p.sequence_parallel else {"all_reduce": layer}
+        return split | {"all_reduce": split.get("all_reduce", 0) + edge}
+    if dim == "dp" and present == ["all_gather", "reduce_scatter"]:
+        units = -(-len(part.layers) // p.fsdp_bucket_layers) + 1
+        return {"all_gather": calls - units, "reduce_scatter": units}
+    if dim == "world":
+        return {"all_reduce": 1, "all_gather": calls - 1}
+    return {k: calls / len(present) for k in present}
 
 
 def comm_seconds(recipe, hw, nodes: int, per_step_us: float | None = None) -> list[dict[str, float]]:

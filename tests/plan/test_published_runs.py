@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dtensor3d.config.load import load_recipe
-from dtensor3d.plan.hardware import check_nodes, lookup
+from dtensor3d.plan.hardware import FIELDS, check_nodes, lookup
 from dtensor3d.plan.perf import predict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,3 +116,36 @@ def test_shared_cores_terms_scale_an_oversubscribed_cpu_node_only():
     assert predict(two, probed, 1)["step_time_s"] == predict(two, cpu, 1)["step_time_s"]
     assert shared(probed, 8) == pytest.approx((1 + 0.2 * 3 / 7, 0.1 * 3 / 7, 3 / 7))  # 4 ranks a core
     assert all(shared(lookup(name), 8) == (1.0, 0.0, 0.0) for name in ("h100", "b200", "mi300x"))
+
+
+def test_ring_steps_count_gloos_algorithms_per_kind(tmp_path):
+    """cpu-gloo's collective_steps: ring. A call's steps by kind (an all-reduce 2 (n - 1), a
+    reduce-scatter too -- gloo runs it as an all-reduce --, an all-gather n - 1, a send 1); GPU
+    entries ceil(log2 n). 3d.yaml's calls by kind are what a real run of it counted (logging.layout's
+    comm_calls, 2 steps, 16 ranks, where auto picks never with 2 layers a unit): stage 0 tp 18
+    all-reduces, stage 1 24; dp 2 all-gathers and 2 reduce-scatters; world one all-reduce (the step
+    times' all-gather runs outside the counted step). A hardware file with another value is one
+    error line."""
+    from dtensor3d.errors import RecipeError
+    from dtensor3d.plan.collectives import comm_bytes
+    from dtensor3d.plan.params import rank_parts
+    from dtensor3d.plan.perf import _calls, call_steps, kind_calls
+
+    cpu, h100 = lookup("cpu-gloo"), lookup("h100")
+    assert [call_steps(cpu, k, 4) for k in ("all_reduce", "reduce_scatter", "all_gather", "send_recv")] == [6, 6, 3, 1]
+    assert [call_steps(h100, k, 8) for k in ("all_reduce", "reduce_scatter", "all_gather")] == [3, 3, 3]
+    recipe = load_recipe(
+        str(REPO / "recipes/3d.yaml"),
+        ["parallelism.fsdp_reshard_after_forward=never", "parallelism.fsdp_bucket_layers=2"],
+    )
+    got = []
+    for part, per_dim in zip(rank_parts(recipe), comm_bytes(recipe, "nccl")):
+        calls = _calls(recipe, part)
+        got.append({d: kind_calls(recipe, part, d, per_dim[d], calls[d]) for d in ("tp", "dp", "world")})
+    assert [g["tp"] for g in got] == [{"all_reduce": 18}, {"all_reduce": 24}]
+    assert all(g["dp"] == {"all_gather": 2, "reduce_scatter": 2} for g in got)
+    assert all(g["world"] == {"all_reduce": 1, "all_gather": 1} for g in got)
+    f = tmp_path / "hw.yaml"
+    f.write_text(yaml.safe_dump({"mine": {**{k: 1 for k in FIELDS}, "collective_steps": "tree"}}))
+    with pytest.raises(RecipeError, match="collective_steps: 'tree'; valid: log2, ring"):
+        lookup("mine", str(f))
