@@ -366,6 +366,20 @@ def shared_cores(cores: int, wire_s: float) -> tuple[float, float, float]:
     return unit / alone, core - unit - wire_s, max(0.0, 1 - n * core / (cores * wall))
 
 
+def interleaved_call(cores: int, wire_s: float) -> tuple[float, float]:
+    """A 2-rank all-reduce as the trainer issues them, between eager units, with a core per
+    process (_pair_rank's pattern, as many processes as cores): (its wall seconds, its core
+    seconds), each beyond the unit and the 32 KiB copy's `wire_s`. Back to back (gloo_latency's
+    loop) gloo's threads never sleep; between units each call wakes them and their waiter again,
+    which costs several times the back-to-back figures."""
+    n = 2 * -(-cores // 2)
+    path, out = tempfile.mktemp(), tempfile.mktemp()
+    mp.spawn(_pair_rank, args=(n, path, out), nprocs=n)
+    unit, core, wall = map(float, open(out).read().split())
+    os.unlink(out)
+    return wall - unit - wire_s, core - unit - wire_s
+
+
 def shared_reduce_scatter(cores: int, wire_s: float) -> float:
     """The check of the ring model (hardware.yaml's collective_steps): the same 8 processes a core
     in groups of 4 reduce-scattering the 32 KiB (FSDP's pattern): core seconds of one call, less
@@ -397,6 +411,7 @@ def main() -> None:
     link_s = 32768 / (hw.intra_node_gbps * 1e9 * LINK_EFF)
     factor, shared_call, idle = shared_cores(hw.cores_per_node, link_s)
     rs_call = shared_reduce_scatter(hw.cores_per_node, 2 * 3 / 4 * link_s)
+    call_wall, call_core = interleaved_call(hw.cores_per_node, link_s)
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
@@ -411,6 +426,11 @@ def main() -> None:
     print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us, a step", end=" ")
     print(f"{lat_cpu * 1e6 / steps:.1f} (table collective_cpu_us {hw.collective_cpu_us})")
     print(f"what DTensor's redistribution adds to it {dtensor_call * 1e6:.0f} us (table {hw.dtensor_collective_us})")
+    wake, wake_cpu = (call_wall - lat) * 1e6, (call_core - lat_cpu) * 1e6  # beyond its back-to-back steps
+    print(f"a 2-rank all-reduce between eager units (the trainer's pattern; a core each): {call_wall * 1e6:.0f} us")
+    print(f"  of wall, back to back's {lat * 1e6:.0f} + wake-up {wake:.0f} (table collective_wake_us", end=" ")
+    print(f"{hw.collective_wake_us}); core {call_core * 1e6:.0f} us, back to back's {lat_cpu * 1e6:.0f} +", end=" ")
+    print(f"{wake_cpu:.0f} (table collective_wake_cpu_us {hw.collective_wake_cpu_us})")
     print(f"{8 * hw.cores_per_node} processes on {hw.cores_per_node} cores:", end=" ")
     print(f"eager work's core time x{factor:.3f}", end=" ")
     print(f"(table shared_core_factor {hw.shared_core_factor}), a 2-rank all-reduce's core time", end=" ")

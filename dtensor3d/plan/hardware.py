@@ -36,6 +36,8 @@ OPTIONAL = (
     "shared_core_factor",
     "shared_collective_cpu_us",
     "shared_idle",
+    "collective_wake_us",
+    "collective_wake_cpu_us",
 )
 
 STEP_MODELS = ("log2", "ring")  # collective_steps' values (Hardware.collective_steps)
@@ -69,6 +71,12 @@ class Hardware:
     shared_core_factor: float = 1.0
     shared_collective_cpu_us: float = 0.0
     shared_idle: float = 0.0
+    # CPU: what one call adds, beyond its steps, where the trainer issues it -- between eager work, with
+    # a core per rank: gloo's threads and the waiting one woken again (back to back they never sleep);
+    # its wall, and its core (taken to 0 at 8 ranks a core with the shared_* terms: the peer's message
+    # is in by the time a rank gets a core)
+    collective_wake_us: float = 0.0
+    collective_wake_cpu_us: float = 0.0
     # how many steps (each collective_latency_us, and on a CPU collective_cpu_us of core) one call takes
     # in a group of n: "log2" ceil(log2 n) (NCCL's trees and rings at their latency); "ring" gloo's
     # algorithms: an all-reduce 2 (n - 1) steps, an all-gather or all-to-all n - 1, and a reduce-scatter

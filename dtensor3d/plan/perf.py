@@ -8,7 +8,9 @@ Per pp rank and step (m microbatches):
   mesh dim -- a ring's wire bytes (all-gather (n-1) x piece, reduce-scatter and all-to-all
   (n-1)/n x input, all-reduce twice that, a send its bytes) over the group's bandwidth (its
   ranks within a node: NVLink; spread over nodes: the NICs of the k members a node holds,
-  k x inter_node_gbps, at most NVLink's), at LINK_EFF, plus the collective latency per call;
+  k x inter_node_gbps, at most NVLink's), at LINK_EFF, plus the collective latency per step of
+  each call (call_steps: the entry's collective_steps) and, on a CPU entry, a wake-up per call
+  (collective_wake_us: gloo's threads woken again between eager work);
 - what of it is exposed, as the code runs it: tp's collectives sit between the matmuls
   (exposed; with tp_linear_async_communication overlapped with the matmuls, a chunk's share
   left); cp's K/V all-gather precedes attention (exposed); ep's all-to-alls are exposed but
@@ -119,8 +121,9 @@ def _calls(recipe, part) -> dict[str, int]:
 
 
 def _comm_parts(recipe, hw, nodes: int) -> list[dict[str, tuple[float, int]]]:
-    """Per pp rank and dim: (wire seconds per step, collective steps per step: calls x hops,
-    and on a CPU entry tp's calls x the host time DTensor's redistribution adds to each)."""
+    """Per pp rank and dim: (wire seconds per step, and on a CPU entry tp's calls x the host time
+    DTensor's redistribution adds to each; collective steps per step, call_steps of each call;
+    calls per step)."""
     p = recipe.parallelism
     dims, world = p.dims, p.world_size
     out = []
@@ -134,7 +137,7 @@ def _comm_parts(recipe, hw, nodes: int) -> list[dict[str, tuple[float, int]]]:
             split = kind_calls(recipe, part, dim, kinds, calls[dim])
             steps = sum(c * call_steps(hw, kind, n) for kind, c in split.items()) if n > 1 else 0
             host = calls[dim] * hw.dtensor_collective_us * 1e-6 if dim == "tp" and n > 1 else 0.0
-            row[dim] = (collective_seconds(kinds, n, bw, ring) + host, steps)
+            row[dim] = (collective_seconds(kinds, n, bw, ring) + host, steps, calls[dim] * (n > 1))
         out.append(row)
     return out
 
@@ -171,11 +174,16 @@ def kind_calls(recipe, part, dim: str, kinds: dict[str, int], calls: int) -> dic
     return {k: calls / len(present) for k in present}
 
 
-def comm_seconds(recipe, hw, nodes: int, per_step_us: float | None = None) -> list[dict[str, float]]:
+def comm_seconds(
+    recipe, hw, nodes: int, per_step_us: float | None = None, per_call_us: float | None = None
+) -> list[dict[str, float]]:
     """Per pp rank: seconds per step of each dim's collectives: wire time plus each step's
-    latency (`per_step_us`: another cost per step, the CPU entries' core time)."""
+    latency and each call's wake-up (a CPU entry's collective_wake_us; `per_step_us` and
+    `per_call_us`: other costs per step and call, the CPU entries' core time)."""
     us = hw.collective_latency_us if per_step_us is None else per_step_us
-    return [{d: wire + steps * us * 1e-6 for d, (wire, steps) in row.items()} for row in _comm_parts(recipe, hw, nodes)]
+    wake = hw.collective_wake_us if per_call_us is None else per_call_us
+    rows = _comm_parts(recipe, hw, nodes)
+    return [{d: wire + (steps * us + calls * wake) * 1e-6 for d, (wire, steps, calls) in r.items()} for r in rows]
 
 
 def _dp_exposed(recipe, comm: dict, compute: dict, units: int) -> float:
@@ -232,7 +240,8 @@ def core_seconds(recipe, hw, nodes: int, rows: list[dict]) -> float:
     p = recipe.parallelism
     factor, _, share = shared(hw, p.world_size // nodes)
     at_8x = hw.shared_collective_cpu_us or hw.collective_cpu_us
-    core = comm_seconds(recipe, hw, nodes, hw.collective_cpu_us + (at_8x - hw.collective_cpu_us) * share)
+    per_step = hw.collective_cpu_us + (at_8x - hw.collective_cpu_us) * share
+    core = comm_seconds(recipe, hw, nodes, per_step, hw.collective_wake_cpu_us * (1 - share))
     work = 0.0
     stages = estimate(recipe, resolve=False)["stages"]
     for part, row, c, stage in zip(rank_parts(recipe), rows, core, stages):

@@ -124,8 +124,8 @@ def test_ring_steps_count_gloos_algorithms_per_kind(tmp_path):
     entries ceil(log2 n). 3d.yaml's calls by kind are what a real run of it counted (logging.layout's
     comm_calls, 2 steps, 16 ranks, where auto picks never with 2 layers a unit): stage 0 tp 18
     all-reduces, stage 1 24; dp 2 all-gathers and 2 reduce-scatters; world one all-reduce (the step
-    times' all-gather runs outside the counted step). A hardware file with another value is one
-    error line."""
+    times' all-gather runs outside the counted step). A CPU entry adds collective_wake_us to each
+    call. A hardware file with another collective_steps is one error line."""
     from dtensor3d.errors import RecipeError
     from dtensor3d.plan.collectives import comm_bytes
     from dtensor3d.plan.params import rank_parts
@@ -145,6 +145,13 @@ def test_ring_steps_count_gloos_algorithms_per_kind(tmp_path):
     assert [g["tp"] for g in got] == [{"all_reduce": 18}, {"all_reduce": 24}]
     assert all(g["dp"] == {"all_gather": 2, "reduce_scatter": 2} for g in got)
     assert all(g["world"] == {"all_reduce": 1, "all_gather": 1} for g in got)
+    # each call between eager work wakes gloo's threads again: collective_wake_us on tp 2's exposed calls
+    from dataclasses import replace
+
+    tp2 = load_recipe(str(REPO / "recipes/3d.yaml"), ["parallelism.dp=1", "parallelism.pp=1"])
+    asleep = predict(tp2, replace(cpu, collective_wake_us=0), 1)["stages"][0]["tp_s"]
+    woken = predict(tp2, cpu, 1)["stages"][0]["tp_s"] - asleep
+    assert woken == pytest.approx(_calls(tp2, rank_parts(tp2)[0])["tp"] * cpu.collective_wake_us * 1e-6)
     f = tmp_path / "hw.yaml"
     f.write_text(yaml.safe_dump({"mine": {**{k: 1 for k in FIELDS}, "collective_steps": "tree"}}))
     with pytest.raises(RecipeError, match="collective_steps: 'tree'; valid: log2, ring"):
