@@ -144,6 +144,26 @@ def _bench_model(recipe, wrap=None):
     return model
 
 
+NIL = ["model.hidden_size=16", "model.intermediate_size=32", "model.num_attention_heads=2"]
+NIL += ["model.num_key_value_heads=1", "model.vocab_size=32", "model.max_position_embeddings=16"]
+NIL += ["training.sequence_length=8", "training.micro_batch_size=1", "training.global_batch_size=1"]
+
+
+def layer_host_us() -> tuple[float, float]:
+    """(one eager decoder layer's host time, forward with backward; the embedding's, final norm's,
+    head's and loss's), microseconds: microbatches of 1- and 3-layer models at a shape whose
+    compute is nil (hidden 16, 8 tokens), where every microsecond is dispatch, autograd and the
+    kernels' fixed costs."""
+    from common import bench_recipe
+
+    cpu = {}
+    for layers in (1, 3):
+        model = _bench_model(bench_recipe([*NIL, f"model.num_hidden_layers={layers}"], "cpu"))
+        cpu[layers] = _microbatch_cpu(model, torch.randint(0, 32, (1, 9)), False)
+    layer = (cpu[3] - cpu[1]) / 2
+    return layer * 1e6, (cpu[1] - layer) * 1e6
+
+
 def _optimizer_cpu(model) -> float:
     """Core seconds of one AdamW step over the model's parameters (gradients of ones)."""
     for q in model.parameters():
@@ -402,6 +422,7 @@ def main() -> None:
 
     hw = lookup("cpu-gloo")
     gflops, gbps, op = matmul_gflops(), stream_gbps(), op_overhead_us()
+    layer_host, outer_host = layer_host_us()
     fsdp_unit, one_rank_param = wrapper_us()
     lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
     tp_op = tp_linear_us(lat_cpu + dtensor_call)
@@ -415,6 +436,8 @@ def main() -> None:
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
+    print(f"eager decoder layer's host time {layer_host:.0f} us (table layer_host_us {hw.layer_host_us}),", end=" ")
+    print(f"embedding, norm, head and loss {outer_host:.0f} us (table outer_host_us {hw.outer_host_us})")
     print(f"tp-sharded linear's host time {tp_op:.0f} us (table tp_linear_us {hw.tp_linear_us})")
     print(f"FSDP2 hooks per unit and microbatch {fsdp_unit:.0f} us (table fsdp_unit_us {hw.fsdp_unit_us})")
     print(f"AdamW per DTensor parameter {dtensor_param:.0f} us, two ranks ({one_rank_param:.0f} on one rank's mesh)")

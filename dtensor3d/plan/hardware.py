@@ -38,6 +38,8 @@ OPTIONAL = (
     "shared_idle",
     "collective_wake_us",
     "collective_wake_cpu_us",
+    "layer_host_us",
+    "outer_host_us",
 )
 
 STEP_MODELS = ("log2", "ring")  # collective_steps' values (Hardware.collective_steps)
@@ -77,6 +79,10 @@ class Hardware:
     # is in by the time a rank gets a core)
     collective_wake_us: float = 0.0
     collective_wake_cpu_us: float = 0.0
+    # CPU: the host time of one eager decoder layer, forward with backward, and of the embedding, final
+    # norm, head and loss, at a shape whose compute is nil (0: LAYER_OPS / OUTER_OPS x op_overhead_us)
+    layer_host_us: float = 0.0
+    outer_host_us: float = 0.0
     # how many steps (each collective_latency_us, and on a CPU collective_cpu_us of core) one call takes
     # in a group of n: "log2" ceil(log2 n) (NCCL's trees and rings at their latency); "ring" gloo's
     # algorithms: an all-reduce 2 (n - 1) steps, an all-gather or all-to-all n - 1, and a reduce-scatter

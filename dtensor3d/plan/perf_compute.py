@@ -133,14 +133,28 @@ def layer_seconds(recipe, hw, layer: int, fp8: bool, sac_matmuls: float = 0.0) -
         casts = sum(c * (M * K + K * N + M * N) for M, K, N, c in gemms) * FP8_CAST_BYTES
         mem += casts / (_bandwidth(hw) * HBM_EFF) / 3  # the forward's third; x3 below
     again = {"none": (0, 0, 0), "selective": (sac_matmuls, 0, 1), "full": (1, 1, 1)}[p.recompute]
-    ops = LAYER_OPS[1 if recipe.training.compile else 0] * (1 + again[2])
     sharded = tp_linears(recipe, moe) * (1 + again[2]) if p.tp_enabled else 0
     return {
         "matmul_s": mm * (3 + again[0]),
         "attention_s": attn * (3.5 + again[1]),
         "memory_s": mem * (3 + again[2]),
-        "host_s": (ops * hw.op_overhead_us + sharded * hw.tp_linear_us) * 1e-6,
+        "host_s": (layer_host_us(recipe, hw) * (1 + again[2]) + sharded * hw.tp_linear_us) * 1e-6,
     }
+
+
+def layer_host_us(recipe, hw) -> float:
+    """The host time of one decoder layer's forward with its backward: eager, the entry's
+    layer_host_us where it gives one (probed: a layer at a shape whose compute is nil), else
+    LAYER_OPS ops at op_overhead_us each; compiled, LAYER_OPS' fused kernels."""
+    if recipe.training.compile or not hw.layer_host_us:
+        return LAYER_OPS[1 if recipe.training.compile else 0] * hw.op_overhead_us
+    return hw.layer_host_us
+
+
+def outer_host_us(hw) -> float:
+    """The host time of the embedding, final norm, head and loss, forward with backward: the
+    entry's outer_host_us where it gives one, else OUTER_OPS ops at op_overhead_us each."""
+    return hw.outer_host_us or OUTER_OPS * hw.op_overhead_us
 
 
 def tp_linears(recipe, moe: bool) -> int:
@@ -159,7 +173,7 @@ def rank_seconds(recipe, hw, part: Part, fp8: bool, sac_matmuls: float = 0.0) ->
         "matmul_s": 0.0,
         "attention_s": 0.0,
         "memory_s": 0.0,
-        "host_s": (OUTER_OPS * hw.op_overhead_us + outer) * 1e-6,
+        "host_s": (outer_host_us(hw) + outer) * 1e-6,
     }
     for layer in part.layers:
         for key, s in layer_seconds(recipe, hw, layer, fp8, sac_matmuls).items():
