@@ -210,6 +210,15 @@ KNOWN_FAILURES: dict[str, str] = {
         "and from fp32 step 6's 1.64e-3 over its bar; with, step 1's grad_norm 8.6e-3 off and step 5's loss "
         "1.60e-3 over its bar" + _F8_NOISE
     ),
+    "model=glm4_moe-shared_expert=32-dtype=bfloat16-dp=4-cp=2-compile=compiled-float8=tensorwise": (
+        "stops at step 2 with dynamo's recompile limit under logging.layout's counting mode (the matrix's "
+        "byte check): there dynamo falls back from the compiled dense block and compiles torchao's float8 "
+        "tensor __torch_dispatch__ as its own frame once per shape and grad mode (TORCH_LOGS=recompiles; dp 1 "
+        "x cp 2 shows it too). Without logging.layout it trains its 6 steps. Counting that step under "
+        "torch.compiler.set_stance('force_eager') let this run pass (eager_on_recompile: its dp 1 x cp 2 form), "
+        "but either made the compiled tied dp 2 x cp 2 x tp 2 async-tp run hit the limit instead (a guard on "
+        "k_proj.forward); open"
+    ),
 }
 
 
