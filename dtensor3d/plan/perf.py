@@ -100,13 +100,18 @@ def collective_seconds(kinds: dict[str, int], n: int, bandwidth: float, ring: bo
     return total
 
 
+def fsdp_units(recipe, part) -> int:
+    """FSDP2's units on a pp rank: its layers in buckets of fsdp_bucket_layers, and the root."""
+    return -(-len(part.layers) // recipe.parallelism.fsdp_bucket_layers) + 1
+
+
 def _calls(recipe, part) -> dict[str, int]:
     """Collective calls per step and dim (latency), from the layers and the schedule."""
     p, m, mod = recipe.parallelism, recipe.num_microbatches, recipe.model
     layers = len(part.layers)
     moe = sum(1 for i in part.layers if mod.num_local_experts and mod.is_moe_layer(i))
     again = 1 + (p.recompute != "none") / 2
-    units = -(-layers // p.fsdp_bucket_layers) + 1
+    units = fsdp_units(recipe, part)
     # tp: 4 a layer (8 with sequence parallelism), and per microbatch the vocab-parallel
     # embedding's one and loss_parallel's 4 (counted with torch's profiler: tp2 84 a step)
     tp = (8 if p.sequence_parallel else 4) * layers * m * again + m * (part.first + LOSS_PARALLEL_CALLS * part.last)
@@ -120,7 +125,7 @@ def _calls(recipe, part) -> dict[str, int]:
     }
 
 
-def _comm_parts(recipe, hw, nodes: int) -> list[dict[str, tuple[float, int]]]:
+def _comm_parts(recipe, hw, nodes: int) -> list[dict[str, tuple[float, int, int]]]:
     """Per pp rank and dim: (wire seconds per step, and on a CPU entry tp's calls x the host time
     DTensor's redistribution adds to each; collective steps per step, call_steps of each call;
     calls per step)."""
@@ -167,7 +172,7 @@ def kind_calls(recipe, part, dim: str, kinds: dict[str, int], calls: int) -> dic
         split = {"all_gather": layer / 2, "reduce_scatter": layer / 2} if p.sequence_parallel else {"all_reduce": layer}
         return split | {"all_reduce": split.get("all_reduce", 0) + edge}
     if dim == "dp" and present == ["all_gather", "reduce_scatter"]:
-        units = -(-len(part.layers) // p.fsdp_bucket_layers) + 1
+        units = fsdp_units(recipe, part)
         return {"all_gather": calls - units, "reduce_scatter": units}
     if dim == "world":
         return {"all_reduce": 1, "all_gather": calls - 1}
@@ -211,7 +216,7 @@ def rank_terms(recipe, hw, part, comm: dict, params: int, fp8: bool, sac_matmuls
     ep = comm["ep"]
     if p.pp_engine == "dualpipev" and p.pp_enabled:  # a forward's all-to-all behind another microbatch's backward
         ep = max(0.0, ep - sum(terms.values()))
-    units = -(-len(part.layers) // p.fsdp_bucket_layers) + 1
+    units = fsdp_units(recipe, part)
     if p.fsdp_enabled:  # FSDP2's hooks, each unit and microbatch (CPU: fsdp_unit_us)
         terms["host_s"] += m * units * hw.fsdp_unit_us * 1e-6
     terms |= {"tp_s": tp, "cp_s": comm["cp"], "ep_s": ep, "pp_s": comm["pp"]}
