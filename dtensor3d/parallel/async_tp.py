@@ -28,7 +28,7 @@ projections hand back their slot of the result: the model stays single-device co
 
 from __future__ import annotations
 
-import functools
+import types
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -207,11 +207,16 @@ def _column_group(parent: nn.Module, names: tuple[str, ...], tp_mesh, sp: bool) 
 
     parent.register_forward_pre_hook(run_group)
     for name, linear in zip(names, linears):
-        linear.forward = functools.partial(_stashed, stash, name)
+        linear.async_tp_slot = (stash, name)
+        linear.forward = types.MethodType(_stashed, linear)
 
 
-def _stashed(stash: dict, name: str, x) -> torch.Tensor:
-    """A column projection's forward: its slot of the group's result (x was its input there)."""
+def _stashed(linear: nn.Linear, x) -> torch.Tensor:
+    """A column projection's forward: its slot of the group's result (x was its input there).
+    A method of the linear, not a functools.partial: dynamo guards a partial by its identity,
+    so every block (one `_forward` code object) recompiled, into the recompile limit once a
+    compiled run had MTP and validation too."""
+    stash, name = linear.async_tp_slot
     return stash.pop(name)
 
 
@@ -221,12 +226,12 @@ def _row(parent: nn.Module, name: str, tp_mesh) -> None:
         parallelize_module(parent, tp_mesh, {name: RowwiseParallel(output_layouts=Shard(1))})
         return
     distribute_module(linear, tp_mesh, _shard(1))
-    comm = (tp_mesh.get_group().group_name, tp_mesh.size(), tp_mesh.get_local_rank())
-    linear.forward = functools.partial(_row_forward, linear, comm)
+    linear.async_tp_comm = (tp_mesh.get_group().group_name, tp_mesh.size(), tp_mesh.get_local_rank())
+    linear.forward = types.MethodType(_row_forward, linear)
 
 
-def _row_forward(linear: nn.Linear, comm: tuple, x: torch.Tensor) -> torch.Tensor:
-    return _RowScatter.apply(_local(x), _local(linear.weight), *comm)
+def _row_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _RowScatter.apply(_local(x), _local(linear.weight), *linear.async_tp_comm)
 
 
 def apply_async_tp(block: nn.Module, tp_mesh, sequence_parallel: bool) -> None:

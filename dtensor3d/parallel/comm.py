@@ -159,7 +159,12 @@ def count_step(mesh):
 
     dist.all_reduce = all_reduce
     try:
-        with counter:
+        # The counted step runs eager (what plan's byte counts model). Met under the mode instead,
+        # dynamo skips each compiled frame and marks its code to be skipped for good: the run went
+        # eager after the counted step, compiling each of torchao's float8 __torch_dispatch__
+        # calls as a frame of its own into the recompile limit (glm4_moe cp 2 and qwen3 dp 2 x
+        # tp 2 x pp 2 compiled float8 runs of the matrix stopped at step 3).
+        with torch.compiler.set_stance("force_eager"), counter:
             yield counter
     finally:
         dist.all_reduce = real
