@@ -149,8 +149,12 @@ class ModelConfig:
         )
 
     def layer_window(self, index: int) -> int | None:
-        """Layer `index`'s sliding window: sliding_window unless layer_types makes it full."""
-        if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
+        """Layer `index`'s sliding window: sliding_window unless layer_types makes it full; a
+        multi-token-prediction layer (past the decoder's) attends as the last decoder layer."""
+        if (
+            self.layer_types is not None
+            and self.layer_types[min(index, len(self.layer_types) - 1)] != "sliding_attention"
+        ):
             return None
         return self.sliding_window
 

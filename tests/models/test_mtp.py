@@ -9,6 +9,7 @@ shared_head.norm. It is not dtensor3d's MTP code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -94,6 +95,18 @@ def test_mtp_logits_match_the_plain_reference(depth, hidden):
     for k, ref in enumerate(refs, start=1):
         err = ((logits[:, :, k] - ref).abs().max() / ref.abs().max()).item()
         assert err <= TOL, f"depth {k}: {err}"
+
+
+def test_an_mtp_layer_attends_as_the_last_decoder_layer():
+    """gpt-oss's layer_types name the decoder's layers only (found by the combination matrix:
+    gpt_oss with MTP stopped building at IndexError)."""
+    types = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+    cfg = ModelConfig(
+        vocab_size=64, num_hidden_layers=4, sliding_window=6, layer_types=types, num_nextn_predict_layers=1
+    )
+    assert [cfg.layer_window(i) for i in range(5)] == [6, None, 6, None, None]
+    model = LlamaForCausalLM(dataclasses.replace(cfg, layer_types=types[::-1]))
+    assert model.model.mtp["4"].self_attn.window == 6 == model.model.layers["3"].self_attn.window
 
 
 def test_mtp_targets_shift_and_mask():
