@@ -34,10 +34,15 @@ def tp2():
 
 
 def assert_matches(got: dict, ref: dict, tol: float) -> None:
-    """got's two steps within tol of ref's; a compiled setup traced each block whole (one graph
-    per block, no graph break at the overlapped Functions or their collectives' waits)."""
+    """got's two steps within tol of ref's; a compiled setup traced the blocks whole (no graph
+    break at the overlapped Functions or their collectives' waits) into one graph both blocks
+    reuse -- no guard on a block's own projections (until 2026-12-06 each block's
+    functools.partial forward made it retrace) --, or two where this process's other tp mode
+    traced first (REDUCE_SCATTER after ALL_REDUCE at dp 2: x's sequence dim 16 against 32)."""
     compiled = got["setup"] == "on_compiled"
-    assert (got["graphs"], got["graph_breaks"]) == ((2, 0) if compiled else (0, 0)), got
+    assert got["graph_breaks"] == 0 and got["graphs"] in ((1, 2) if compiled else (0,)), got
+    if compiled and got["mode"] == "ALL_REDUCE":  # the first mode compiled in its process
+        assert got["graphs"] == 1, got
     for a, b in zip(ref["metrics"], got["metrics"], strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= tol * abs(a[key]), (key, a, b)
