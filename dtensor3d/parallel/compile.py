@@ -103,8 +103,9 @@ def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def apply_compile(model: nn.Module, backend="inductor") -> nn.Module:
-    """Compile each of `compile_targets` in place (one dynamo graph per block: each block is
-    its own module, so n blocks trace n graphs). Hitting dynamo's recompile limit raises
+    """Compile each of `compile_targets` in place (blocks of one shape share their dynamo
+    graph: their code object is one and dynamo takes a module's parameters as inputs, so a
+    guard on a block's own objects would retrace it per block). Hitting dynamo's recompile limit raises
     instead of quietly running the block eager (torch's default). Inductor rounds to bf16 where
     eager does (`emulate_precision_casts`; its default keeps a fused chain in fp32): a float8
     cast after such a chain moves whole fp8 steps otherwise (OLMo 2 tensorwise, one process:
