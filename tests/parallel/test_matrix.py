@@ -200,14 +200,16 @@ _OLMO2_CP_FLOAT8 = (
 # skips a frame under a dispatch mode for good), so torchao's float8 __torch_dispatch__ was compiled frame by
 # frame (parallel/comm.count_step now counts under set_stance("force_eager")). It passes (loss 3.3e-4, noise
 # 2.8e-4), and so does qwen3 dp 2 x tp 2 x pp afab compiled tensorwise, which stopped the same way.
+# Listed here until 2026-12-06 too: gpt_oss dp 4 hybrid x cp 2 tensorwise, step 1's grad_norm 8.55e-3 off its dp 2
+# reference (1.5368 vs 1.5500). Not a fault: its twin was blind -- gpt-oss's sink attention is not SDPA, so the
+# math backend left the twin equal to the reference to the last bit (noise 0, bar BF16_TOL alone). By hand, 2 steps:
+# float8 dp 4 hybrid equals the reference bitwise and dp 2 x cp 2 equals dp 4 hybrid x cp 2 bitwise (cp alone moves
+# it; bf16 without float8 moves 2.5e-3 at cp there); with the twin's sink attention rounding its output instead of
+# its probabilities (dist_scripts/math_attention.py), the twin is 1.3e-2 off in step 1's grad_norm and the run passes
+# (loss 8.6e-4 within its bar, noise 7.0e-4).
 KNOWN_FAILURES: dict[str, str] = {
     "model=olmo2-window=6-dtype=bfloat16-cp=2-tp=2_all_reduce-pp=1f1b-recompute=selective-compile=compiled-"
     "float8=tensorwise": _OLMO2_CP_FLOAT8,
-    "model=gpt_oss-shared_expert=32-dtype=bfloat16-dp=4-dp_mode=hybrid-cp=2-float8=tensorwise": (
-        "step 1's grad_norm 8.55e-3 off its dp 2 reference (1.5368 vs 1.5500): over BF16_TOL plus its twin's step-1 "
-        "noise, a difference before any update, so not float8's path noise (before cp all-reduced the amaxes: "
-        "step 1's loss 3.8e-4 off); open"
-    ),
 }
 
 
@@ -260,7 +262,8 @@ def _from_fp32(run, got, ref, recipe, documents, reference, shared_run, lrs, key
 def float8_parity(run, got, recipe, documents, reference, shared_run, lrs, keys, tmp_path) -> dict[str, float]:
     """A float8 run over BF16_TOL and its bf16_bars: against its reference (compiled for a compiled run) at
     float8_bars, the reference's own noise measured by the same reference with attention on
-    SDPA's math backend (tests/dist_scripts/math_attention.py)."""
+    SDPA's math backend and gpt-oss's sink attention rounded after `probs @ v`
+    (tests/dist_scripts/math_attention.py)."""
     compiled = run["compile"] == "compiled"
     own = reference_run(run, recipe, documents, reference, shared_run, compiled)
     given = [*reference_overrides(run, documents), *["training.compile=true"] * compiled]
