@@ -75,8 +75,8 @@ class Hardware:
     shared_idle: float = 0.0
     # CPU: what one call adds, beyond its steps, where the trainer issues it -- between eager work, with
     # a core per rank: gloo's threads and the waiting one woken again (back to back they never sleep);
-    # its wall, and its core (taken to 0 at 8 ranks a core with the shared_* terms: the peer's message
-    # is in by the time a rank gets a core)
+    # its wall, and its core (kept at every ranks-per-core share: the trainer's ranks taking turns on the
+    # cores pay it too, each woken thread switched in cold)
     collective_wake_us: float = 0.0
     collective_wake_cpu_us: float = 0.0
     # CPU: the host time of one eager decoder layer, forward with backward, and of the embedding, final

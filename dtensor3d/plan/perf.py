@@ -32,7 +32,8 @@ Per pp rank and step (m microbatches):
   collective step shared_collective_cpu_us (gloo's threads woken and switched in while the peer
   waits for a core) -- and leave the cores idle a share of the time (shared_idle: every rank
   blocked on a message in flight); all probed with a generic workload of 8 processes a core
-  (perf.shared).
+  (perf.shared). Each call's wake-up costs its collective_wake_cpu_us of core at every share:
+  the trainer's own ranks, measured, spend more core a step the more of them share a core.
 
 Global constants (the only calibration): perf_compute.MATMUL_EFF, HBM_EFF, LINK_EFF here.
 """
@@ -240,13 +241,17 @@ def dtensor_params(recipe, part) -> int:
 def core_seconds(recipe, hw, nodes: int, rows: list[dict]) -> float:
     """A CPU entry (cores_per_node): the core time per step of the ranks one node holds, each
     pp rank's rows' compute and host time, its optimizer, and its collectives' core time (the
-    loopback's copies -- the wire time -- and each step's send and receive, collective_cpu_us;
-    a rank blocked in a collective or in the bubble uses no core: another rank runs)."""
+    loopback's copies -- the wire time -- each step's send and receive, collective_cpu_us, and each
+    call's wake-up, collective_wake_cpu_us; a rank blocked in a collective or in the bubble uses no
+    core: another rank runs). The wake-up is kept however many ranks share a core: 3d.yaml's model
+    at dp x pp 2 x tp 2, 2 / 4 / 8 ranks a core (4, 8, 16 ranks), measured 66-75 / 72-97 / 87-110 ms
+    of core per rank and step (main and gloo threads, /proc schedstat, 2026-12-06), where dropping it
+    at 8 a core (the probe's lockstep pairs find the peer's message in) gave 67-73 / 69-75 / 66-69."""
     p = recipe.parallelism
     factor, _, share = shared(hw, p.world_size // nodes)
     at_8x = hw.shared_collective_cpu_us or hw.collective_cpu_us
     per_step = hw.collective_cpu_us + (at_8x - hw.collective_cpu_us) * share
-    core = comm_seconds(recipe, hw, nodes, per_step, hw.collective_wake_cpu_us * (1 - share))
+    core = comm_seconds(recipe, hw, nodes, per_step, hw.collective_wake_cpu_us)
     work = 0.0
     stages = estimate(recipe, resolve=False)["stages"]
     for part, row, c, stage in zip(rank_parts(recipe), rows, core, stages):
