@@ -6,24 +6,18 @@ The combination matrix measures a float8 run's own noise with it (test_matrix.fl
 
 import sys
 
-import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor3d.models.layers as layers
 import dtensor3d.parallel.context as context
 from dtensor3d.__main__ import main
 
+ROUND_PROBS = layers.sink_attention
+
 
 def sink_attention_fp32_out(q, k, v, sinks, mask):
-    """layers.sink_attention with `probs @ v` in fp32, rounded to v's dtype after it."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-    return (probs @ v.float()).to(v.dtype)
+    """layers.sink_attention with `probs @ v` in fp32 (v given in fp32), rounded to v's dtype after it."""
+    return ROUND_PROBS(q, k, v.float(), sinks, mask).to(v.dtype)
 
 
 layers.sink_attention = context.sink_attention = sink_attention_fp32_out
