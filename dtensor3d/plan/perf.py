@@ -21,9 +21,11 @@ Per pp rank and step (m microbatches):
   behind the last microbatch's backward, one unit's share always exposed;
 - the pipeline: the busiest rank's busy time stretched by the schedule's bubble
   (schedule_model.bubble_fraction), then FSDP's exposed share and the optimizer step;
-- a CPU entry (cores_per_node) whose node holds more ranks than cores: the cores run every
-  rank's work in turn (a rank blocked in a collective or idle in the bubble gives its core
-  away), so the step is at least the node's summed core time over its cores (core_seconds:
+- a CPU entry (cores_per_node) whose node holds as many ranks as cores or more: the cores run
+  every rank's work and its collectives' threads (a rank blocked in a collective or idle in the
+  bubble gives its core away; with a core per rank, gloo's copies take core time from the other
+  rank's compute: dp 2 on 2 cores measured 390-424 ms of core per rank in 422-446 ms steps), so
+  the step is at least the node's summed core time over its cores (core_seconds:
   compute, host dispatch -- eager ops, tp's DTensor linears, FSDP2's hooks, the optimizer's
   DTensor parameters -- and the collectives' core time: the loopback's copies and each
   step's send and receive). Those host costs are the CPU entry's fields (hardware.yaml);
@@ -285,7 +287,8 @@ ADVICE = {
     "dp_exposed_s": "data-parallel communication: larger fsdp_bucket_layers, fsdp_reshard_after_forward never, "
     "dp_mode hybrid (HSDP) within nodes",
     "optimizer_s": "the optimizer step: more ranks to shard it over (FSDP)",
-    "shared_cores_s": "the node's ranks outnumber its cores and wait for one: fewer ranks per node, or more cores",
+    "shared_cores_s": "the node's ranks (and their collectives' threads) take every core: fewer ranks per node, "
+    "or more cores",
 }
 COMPUTE = ("matmul_s", "attention_s", "memory_s", "host_s")
 
@@ -310,9 +313,10 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
     others = (sum(r["busy_s"] for r in rows) - busy) / (len(rows) - 1) if len(rows) > 1 else busy
     makespan = busy + bubble / (1 - bubble) * others
     tail = max(r["dp_exposed_s"] + r["optimizer_s"] for r in rows)
-    oversubscribed = hw.cores_per_node and world // nodes > hw.cores_per_node
+    # every core holds a rank (or more): gloo's threads take their core time from the ranks' compute
+    core_bound = hw.cores_per_node and world // nodes >= hw.cores_per_node
     idle = shared(hw, world // nodes)[1]
-    cores = core_seconds(recipe, hw, nodes, rows) / hw.cores_per_node / (1 - idle) if oversubscribed else 0.0
+    cores = core_seconds(recipe, hw, nodes, rows) / hw.cores_per_node / (1 - idle) if core_bound else 0.0
     step = max(makespan + tail, cores)
     tokens = t.global_batch_size * t.sequence_length
     flops = flops_per_step(recipe)
