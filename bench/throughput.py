@@ -8,7 +8,8 @@ the steps after the first two (compile: after its first step's compilation) as t
 eager vs compile, fp32 vs bf16, each recompute mode, each pipeline schedule at pp 2 (with
 each rank's idle fraction beside the bubble formula's), and world 1 against a plain PyTorch
 loop over transformers' LlamaForCausalLM of the same shape (same batch, same AdamW). On
-CUDA it adds MFU (dtensor3d.training.metrics' peak table). `--worker` is the per-rank entry point.
+CUDA it adds MFU (dtensor3d.training.metrics' peak table); on CPU it prints the machine's one-thread
+matmul rate before and after the rows (the VM runs slow at times). `--worker` is the per-rank entry point.
 """
 
 from __future__ import annotations
@@ -198,6 +199,20 @@ def report(name: str, r: dict, recipe, device: str, peak: float | None) -> str:
     return line
 
 
+def machine_speed() -> float:
+    """This machine's one-thread matmul rate now, GFLOP/s (hardware_probe.matmul_gflops: the bench
+    model's GEMM shape). Printed before and after the rows: the VM runs slow at times (every row
+    slower than plan's cpu-gloo entry, the multi-rank ones most), and this tells such a run."""
+    from hardware_probe import matmul_gflops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return matmul_gflops()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -215,6 +230,7 @@ def main() -> None:
 
     peak = peak_flops(torch.device(args.device))  # None on CPU
     print(f"model {BENCH['model']}, {tokens} tokens/step (pp4: 8 layers, 2x tokens), median of steps 3..{args.steps}")
+    before = machine_speed() if args.device == "cpu" else None
     for name, (ranks, overrides) in VARIANTS.items():
         if args.only and name not in args.only:
             continue
@@ -227,6 +243,8 @@ def main() -> None:
     for name in ("eager fp32", "compile fp32"):
         if name in results:
             print(f"ratio {name} / transformers: {hf / results[name]['step_s']:.2f}")
+    if before is not None:
+        print(f"machine: a one-thread matmul {before:.1f} GFLOP/s before the rows, {machine_speed():.1f} after")
 
 
 if __name__ == "__main__":
