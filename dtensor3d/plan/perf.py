@@ -313,7 +313,6 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
     others = (sum(r["busy_s"] for r in rows) - busy) / (len(rows) - 1) if len(rows) > 1 else busy
     makespan = busy + bubble / (1 - bubble) * others
     tail = max(r["dp_exposed_s"] + r["optimizer_s"] for r in rows)
-    # every core holds a rank (or more): gloo's threads take their core time from the ranks' compute
     core_bound = hw.cores_per_node and world // nodes >= hw.cores_per_node
     idle = shared(hw, world // nodes)[1]
     cores = core_seconds(recipe, hw, nodes, rows) / hw.cores_per_node / (1 - idle) if core_bound else 0.0
