@@ -66,10 +66,8 @@ def check_eval_args(args):
             f"eval: --pp={args.pp} must be >= 1 with tp x pp = {args.tp} x {args.pp} dividing the world size "
             f"{world} (dp = world / (tp pp))"
         )
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=args.include_path)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    manager = task_manager(args.include_path, tasks)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown or not tasks:
         where = f" or under --include-path={args.include_path!r}" if args.include_path else ""
@@ -80,18 +78,30 @@ def check_eval_args(args):
     return tasks, manager
 
 
+def task_manager(include_path: str | None, tasks):
+    """lm-eval's task index. Indexing lm-eval's own tasks takes ~7 s a process (each rank builds
+    one), so when every task named is a plain task (not a group or tag, which may pull lm-eval's
+    own) under `include_path`, the index holds that folder alone; else lm-eval's and the folder's
+    (where a name is in both, the folder's wins in either)."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        if tasks and set(tasks) <= set(own.all_subtasks):
+            return own
+    return TaskManager(include_path=include_path)
+
+
 def check_recipe_eval(recipe) -> None:
     """The recipe's `eval` section at the door (config/eval_checks.py did the rest): every task
     known to lm-eval (its index, and eval.include_path's), and a tokenizer.json with the data."""
     if not recipe.eval.tasks:
         return
-    from lm_eval.tasks import TaskManager
-
     from ..generate import find_tokenizer
     from .live import data_tokenizer_dir
 
     e = recipe.eval
-    known = TaskManager(include_path=e.include_path).all_tasks
+    known = task_manager(e.include_path, e.tasks).all_tasks
     unknown = [t for t in e.tasks if t not in known]
     if unknown:
         where = f" or under eval.include_path={e.include_path!r}" if e.include_path else ""

@@ -167,12 +167,11 @@ class LiveEval:
     """The harness on the live model: one per run (the task index is built once)."""
 
     def __init__(self, recipe):
-        from lm_eval.tasks import TaskManager
-
+        from . import task_manager
         from .lm import hf_tokenizer
 
         e = recipe.eval
-        self.tasks, self.manager = list(e.tasks), TaskManager(include_path=e.include_path)
+        self.tasks, self.manager = list(e.tasks), task_manager(e.include_path, e.tasks)
         self.tokenizer = hf_tokenizer(data_tokenizer_dir(recipe))
 
     def run(self, state, compute_context) -> dict:
