@@ -280,6 +280,12 @@ class Guard:
     def step(self, state):
         return collective_guard(f"step {state.step + 1}", self.recipe.training.timeout_s)
 
+    def after_step(self, state):
+        """Around the step's hooks (its step times' gather, evaluation, a save): a rank that hangs
+        or dies while they run is the step's fault, one line as in the step (it used to end in
+        a traceback from the gather when a SIGSTOP landed between the step and its hooks)."""
+        return collective_guard(f"step {state.step}", self.recipe.training.timeout_s)
+
     def check(self, metrics: dict) -> None:
         self.skips.after(metrics)
 

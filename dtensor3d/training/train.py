@@ -338,8 +338,9 @@ def run_step(state: TrainState, source, guard: faults.Guard, found: list[hooks.S
         metrics = train_step(state, batch, data.loss_tokens(recipe, source, state.step), mixed)
     seconds = straggle(time.perf_counter() - start)  # DTENSOR3D_SLOW_RANK: a made straggler (tests)
     guard.check(metrics)
-    for hook in found:
-        hook.after_step(state, metrics, seconds)
+    with guard.after_step(state):
+        for hook in found:
+            hook.after_step(state, metrics, seconds)
     return metrics
 
 

@@ -374,3 +374,26 @@ def test_nodes_with_different_recipes_are_refused_on_every_node(tmp_path, jobs):
         assert lines == ["error: the nodes' recipes differ at training.steps: node 0 has 10, node 1 has 6; start "
                          "every node with the same recipe, overrides and dtensor3d"], node.text()[-3000:]  # fmt: skip
         no_traceback(node)
+
+
+def test_a_hang_noticed_in_the_steps_hooks_is_the_steps_one_line():
+    """A rank frozen between a step and its hooks (the step times' all_gather, an evaluation, a
+    save) times out in a hook: Guard.after_step, around run_step's hooks, names the step as the
+    step's own guard does (it was a traceback: a full-suite run caught it under load)."""
+    from types import SimpleNamespace
+
+    from dtensor3d.config.load import load_recipe
+    from dtensor3d.training.faults import CollectiveError, Guard
+
+    guard = Guard(load_recipe(PARITY, ["training.timeout_s=8"]))
+    try:
+        with pytest.raises(
+            CollectiveError, match=r"^step 3: a collective did not complete within training\.timeout_s=8 s"
+        ):
+            with guard.after_step(SimpleNamespace(step=3)):
+                raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv")
+        with pytest.raises(ZeroDivisionError):  # a bug in a hook keeps its traceback
+            with guard.after_step(SimpleNamespace(step=3)):
+                raise ZeroDivisionError
+    finally:
+        guard.close()
