@@ -3,8 +3,12 @@ combination matrix's rotating subset; the helpers themselves are in tests/helper
 launch.sh jobs: tests/jobs.py)."""
 
 import datetime
+import fcntl
+import hashlib
+import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,22 +16,49 @@ from helpers import PARITY, smollm2_hf_dir, train_metrics
 from jobs import Job
 
 
+def _shared_dir(tmp_path_factory) -> Path:
+    """Where a session's shared runs live: under pytest-xdist (`pytest -n 2`) the folder common to
+    the session's workers (each worker's basetemp is a `popen-gwN` inside it), else the basetemp."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once_per_session(tmp_path_factory, key: tuple, compute):
+    """compute(root) -> JSON-able value, run once per session for `key` across xdist's workers
+    (an flock on the key's file: a second worker waits, then reads the first one's value); root is
+    a fresh folder of the run's own."""
+    shared = _shared_dir(tmp_path_factory) / "once"
+    shared.mkdir(exist_ok=True)
+    name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / f"{name}.json"
+        if not done.exists():
+            root = shared / name
+            shutil.rmtree(root, ignore_errors=True)  # a failed attempt's leftovers
+            root.mkdir()
+            value = compute(root)
+            done.write_text(json.dumps(value))
+        return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
-def parity_reference(tmp_path_factory):
+def parity_reference(reference):
     """The 1-process run of the parity recipe, computed once per session."""
-    return train_metrics(tmp_path_factory.mktemp("ref"), 1, [])
+    return reference([])
 
 
 @pytest.fixture(scope="session")
-def reference(parity_reference, tmp_path_factory):
+def reference(tmp_path_factory):
     """reference(overrides, recipe): the 1-process run of `recipe` with the overrides' keys
     other than parallelism.*, each trained once per session."""
-    cache = {(PARITY, ()): parity_reference}
+    cache: dict[tuple, list[dict]] = {}
 
     def get(overrides: list[str], recipe: str = PARITY) -> list[dict]:
         key = (recipe, tuple(sorted(o for o in overrides if not o.startswith("parallelism."))))
         if key not in cache:
-            cache[key] = train_metrics(tmp_path_factory.mktemp("ref"), 1, list(key[1]), recipe)
+            train = lambda root: train_metrics(root / "run", 1, list(key[1]), recipe)  # noqa: E731
+            cache[key] = once_per_session(tmp_path_factory, ("reference", *key), train)
         return cache[key]
 
     return get
@@ -44,9 +75,13 @@ def shared_run(tmp_path_factory):
     def get(nproc: int, overrides: list[str], recipe: str = PARITY) -> tuple[list[dict], Path]:
         key = (nproc, recipe, tuple(sorted(overrides)))
         if key not in cache:
-            root = tmp_path_factory.mktemp("shared")
-            filled = [o.replace("{root}", str(root)) for o in overrides]
-            cache[key] = train_metrics(root / "run", nproc, filled, recipe), root
+
+            def train(root: Path) -> list:
+                filled = [o.replace("{root}", str(root)) for o in overrides]
+                return [train_metrics(root / "run", nproc, filled, recipe), str(root)]
+
+            records, root = once_per_session(tmp_path_factory, ("shared", *key), train)
+            cache[key] = records, Path(root)
         return cache[key]
 
     return get
@@ -56,7 +91,7 @@ def shared_run(tmp_path_factory):
 def smollm2(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face directory (helpers.smollm2_hf_dir), built once
     per session (about a minute: transformers dequantizes the GGUF)."""
-    return smollm2_hf_dir(tmp_path_factory.mktemp("smollm2"))
+    return Path(once_per_session(tmp_path_factory, ("smollm2",), lambda root: str(smollm2_hf_dir(root))))
 
 
 # ---------------------------------------------------------------- the two tiers
@@ -183,6 +218,13 @@ def heavy(item) -> bool:
 
 def matrix_seed() -> int:
     return int(os.environ.get("MATRIX_SEED", datetime.date.today().toordinal()))
+
+
+def pytest_configure(config):
+    """The day's matrix seed fixed once, in the controller: pytest-xdist's workers (`-n 2`, the
+    default: pyproject's addopts) inherit it and so collect the same runs, midnight or not."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("MATRIX_SEED", str(matrix_seed()))
 
 
 def pytest_report_header(config):

@@ -112,7 +112,7 @@ def apply(tree: Path, name: str) -> bool:
 def run(tree: Path, node: str) -> tuple[bool, str]:
     """(failed, its first assertion line) of `node` run in `tree` against tree's package."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", node]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-x", "-p", "no:cacheprovider", node]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln[1:].strip() for ln in proc.stdout.splitlines() if ln.startswith("E ")]
     shown = lines[:1] + [ln for ln in lines if ln.startswith("Greatest absolute")]  # assert_close's numbers
