@@ -210,6 +210,13 @@ _OLMO2_CP_FLOAT8 = (
 KNOWN_FAILURES: dict[str, str] = {
     "model=olmo2-window=6-dtype=bfloat16-cp=2-tp=2_all_reduce-pp=1f1b-recompute=selective-compile=compiled-"
     "float8=tensorwise": _OLMO2_CP_FLOAT8,
+    "model=qwen3_moe-documents=masked-dtype=bfloat16-ep=2-tp=2_all_reduce-pp=zbv-recompute=full-float8=rowwise": (
+        "parity passes; check_comm fails: plan's tp all_reduce bytes in step 2 are short, stage 0 797,088 against "
+        "806,304 measured (9,216), stage 1 857,200 against 881,776 (24,576); the same at 61324b1 (found 2026-12-06 "
+        "in a matrix-tier run; float8 rowwise adds 67,584 / 147,456 to plan's figures without float8). 369 tp "
+        "all_reduce calls on stage 0; which collective plan misses (rowwise amaxes under zbv's split backward with "
+        "full recompute?) not found yet; open"
+    ),
 }
 
 
