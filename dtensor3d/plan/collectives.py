@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..config.low_precision import float8_all_gather
 from ..config.parallelism import window_tails
 from ..config.schema import V_SCHEDULES
-from .float8_comm import cp_scale_bytes, fsdp_scale_tp_bytes, tp_scale_bytes
+from .float8_comm import cp_scale_bytes, fsdp_scale_tp_bytes, tp_scale_bytes, tp_weight_pass_bytes
 from .memory import _moe_layers
 from .params import (
     FP32,
@@ -217,6 +217,7 @@ def tp_bytes(recipe, part: Part) -> dict[str, int]:
         _add(per_micro, bwd)
         _add(per_step, _tp_replay(recipe, fwd, moe), again)
         _add(per_step, _async_weight_pass(recipe, moe), split)
+        _add(per_step, {"all_reduce": tp_weight_pass_bytes(recipe, i)}, split)  # float8's casts in each W
     full_f, part_f = z.tokens * z.hidden * z.act, z.seq_tokens * z.hidden * z.act
     depth = recipe.model.num_nextn_predict_layers if part.last else 0  # MTP: each depth's embedding and head
     embedding = {"reduce_scatter": full_f, "all_gather": part_f} if p.sequence_parallel else {"all_reduce": full_f}

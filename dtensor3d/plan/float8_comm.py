@@ -68,6 +68,25 @@ def tp_scale_bytes(recipe, layer: int) -> tuple[int, int]:
     return fwd, bwd
 
 
+def tp_weight_pass_bytes(recipe, layer: int) -> int:
+    """Bytes of decoder layer `layer`'s float8 scale all-reduces over tp in each weight backward W
+    (zbv, dualpipev: autograd.grad to the weights alone; collectives.split_passes), counted on the
+    matrix's runs (2026-12-06): rowwise casts again everything its backward casts (the layer's
+    backward bytes: qwen3_moe ep 2 x tp 2 x zbv, 4 W a stage); tensorwise what each weight gradient
+    reads where tp shards it: a column-parallel linear's output gradient, a row-parallel one's input
+    (twice under torch's RowwiseParallel: parity model, tp 2 sp x dualpipev, 9 a layer). Under cp
+    tensorwise (its own casts, scale_over_cp) not counted: not measured."""
+    name, p = float8_recipe(recipe.training), recipe.parallelism
+    if name == "rowwise":
+        return tp_scale_bytes(recipe, layer)[1]
+    if name is None or not p.tp_enabled or p.cp_enabled:
+        return 0
+    torch_rows = p.sequence_parallel and recipe.training.device != "cuda"
+    prefix, shapes = f"model.layers.{layer}.", param_shapes(recipe.model).items()
+    dims = [tp_dim(w, recipe.model) for w, s in shapes if w.startswith(prefix) and float8_weight(w, tuple(s))]
+    return AMAX * sum((d == 0) + (d == 1) * (1 + torch_rows) for d in dims if d is not None)
+
+
 def fsdp_scale_tp_bytes(recipe, layers: list[int]) -> int:
     """Per step, FSDP's float8 all-gather under tp: torchao's precompute of the next gathers'
     scales (parallel/float8.precompute_scales) reduces each tp-split converted weight's amax
