@@ -41,21 +41,31 @@ AMAX = 8  # torchao reduces amaxes as float64
 BF16 = 2  # scale_over_cp reduces the bf16 amax itself
 
 
+def _split_linears(recipe, layer: int):
+    """(tp dim, shape) of decoder layer `layer`'s float8-converted linears that tp splits."""
+    prefix = f"model.layers.{layer}."
+    for weight, shape in param_shapes(recipe.model).items():
+        dim = tp_dim(weight, recipe.model)
+        if weight.startswith(prefix) and dim is not None and float8_weight(weight, tuple(shape)):
+            yield dim, shape
+
+
+def _torch_rows(recipe) -> bool:
+    """Sequence-parallel row projections under torch's RowwiseParallel (off CUDA,
+    parallel/float8.float8_styles): their backward casts the input again."""
+    return recipe.parallelism.sequence_parallel and recipe.training.device != "cuda"
+
+
 def tp_scale_bytes(recipe, layer: int) -> tuple[int, int]:
     """(forward, backward) bytes of decoder layer `layer`'s float8 scale all-reduces over tp,
     one microbatch (0, 0 without float8 or tp)."""
     name, p = float8_recipe(recipe.training), recipe.parallelism
     if name is None or not p.tp_enabled:
         return 0, 0
-    tokens, prefix = sizes(recipe).tokens, f"model.layers.{layer}."
-    torch_rows = p.sequence_parallel and recipe.training.device != "cuda"  # torch's RowwiseParallel
+    tokens, torch_rows = sizes(recipe).tokens, _torch_rows(recipe)
     cast = AMAX * (not float8_all_gather(recipe.training, p))  # a weight's cast; FSDP's float8 gather: none
     fwd = bwd = 0
-    for weight, shape in param_shapes(recipe.model).items():
-        dim = tp_dim(weight, recipe.model)
-        if not weight.startswith(prefix) or dim is None or not float8_weight(weight, tuple(shape)):
-            continue
-        out, inner = shape
+    for dim, (out, inner) in _split_linears(recipe, layer):
         if name == "tensorwise" and p.cp_enabled:  # the weight's casts; a sharded input's or gradient's (bf16)
             fwd += cast + BF16 * (dim == 1)
             bwd += cast + BF16 * (dim == 0)
@@ -81,10 +91,8 @@ def tp_weight_pass_bytes(recipe, layer: int) -> int:
         return tp_scale_bytes(recipe, layer)[1]
     if name is None or not p.tp_enabled or p.cp_enabled:
         return 0
-    torch_rows = p.sequence_parallel and recipe.training.device != "cuda"
-    prefix, shapes = f"model.layers.{layer}.", param_shapes(recipe.model).items()
-    dims = [tp_dim(w, recipe.model) for w, s in shapes if w.startswith(prefix) and float8_weight(w, tuple(s))]
-    return AMAX * sum((d == 0) + (d == 1) * (1 + torch_rows) for d in dims if d is not None)
+    rows = 1 + _torch_rows(recipe)
+    return AMAX * sum((dim == 0) + (dim == 1) * rows for dim, _ in _split_linears(recipe, layer))
 
 
 def fsdp_scale_tp_bytes(recipe, layers: list[int]) -> int:
