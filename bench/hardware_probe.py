@@ -4,10 +4,11 @@
 
 One thread (bench/throughput.py runs each rank with OMP_NUM_THREADS=1), fp32 (CPU training's
 dtype): the matmul rate on the bench model's GEMM shapes, the streaming bandwidth of an
-elementwise op, the per-op cost of eager dispatch with autograd, the host time a tp-sharded
-linear adds (DTensor), gloo's latency, core time and bandwidth between two local
-processes, and what 8 processes a core taking turns cost (shared_cores). Prints the measured
-values beside the table's. Run it on a quiet machine: another tenant's load inflates them.
+elementwise op, SDPA's attention kernel forward with backward, the per-op cost of eager
+dispatch with autograd, the host time a tp-sharded linear adds (DTensor), gloo's latency,
+core time and bandwidth between two local processes, and what 8 processes a core taking
+turns cost (shared_cores). Prints the measured values beside the table's. Run it on a quiet
+machine: another tenant's load inflates them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,23 @@ def stream_gbps() -> float:
     out = torch.empty_like(a)
     s = _best(lambda: torch.add(a, 1.0, out=out))
     return 2 * a.nbytes / s / 1e9
+
+
+def attention_gflops() -> float:
+    """SDPA's CPU flash kernel, causal, forward with backward, at the bench model's attention
+    (microbatch 2, 8 query and 4 key/value heads of 32, sequence 256), in plan's FLOPs
+    (perf_compute._attention_flops: half the sequence seen, x3.5 for forward with backward)."""
+    import torch.nn.functional as F
+
+    b, h, kv, s, d = 2, 8, 4, 256, 32
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, requires_grad=True) for _ in range(2))
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+
+    flops = 3.5 * 2 * (b * s) * (s / 2) * h * (2 * d)
+    return flops / _best(run) / 1e9
 
 
 def op_overhead_us() -> float:
@@ -421,7 +439,7 @@ def main() -> None:
     from dtensor3d.plan.perf_compute import HBM_EFF, MATMUL_EFF
 
     hw = lookup("cpu-gloo")
-    gflops, gbps, op = matmul_gflops(), stream_gbps(), op_overhead_us()
+    gflops, gbps, op, attn = matmul_gflops(), stream_gbps(), op_overhead_us(), attention_gflops()
     layer_host, outer_host = layer_host_us()
     fsdp_unit, one_rank_param = wrapper_us()
     lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
@@ -435,6 +453,9 @@ def main() -> None:
     call_wall, call_core = interleaved_call(hw.cores_per_node, link_s)
     print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
     print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
+    print(f"attention forward+backward {attn:.1f} GFLOP/s -> attention_fraction", end=" ")
+    print(f"{attn * MATMUL_EFF / gflops:.3f} of this peak, {attn / 1000 / hw.bf16_tflops:.3f} of the table's", end=" ")
+    print(f"(table {hw.attention_fraction})")
     print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
     print(f"eager decoder layer's host time {layer_host:.0f} us (table layer_host_us {hw.layer_host_us}),", end=" ")
     print(f"embedding, norm, head and loss {outer_host:.0f} us (table outer_host_us {hw.outer_host_us})")

@@ -325,6 +325,9 @@ def cp_attention(
     kernel = kernel or cp_kernel(q.device)
     if kernel not in KERNELS:
         raise ValueError(f"cp_attention: kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    if torch.is_autocast_enabled(q.device.type):  # as autocast casts SDPA's inputs (the flash op is on no
+        low = torch.get_autocast_dtype(q.device.type)  # autocast list; RoPE leaves q and k in fp32, v is bf16)
+        q, k, v = q.to(low), k.to(low), v.to(low)
     cp = dist.get_world_size(group)
     tails = window_tails(window, q.shape[2] * cp, cp)
     if tails and torch.equal(q_pos.cpu(), zigzag_positions(q.shape[2] * cp, cp, dist.get_rank(group))):

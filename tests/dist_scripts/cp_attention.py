@@ -109,4 +109,34 @@ for cp in (2, 4):
             tails = window_tails(window, s, cp)
             row = {"cp": cp, "window": window, "packed": packed, "tails": tails}
             print(json.dumps(row | dict(zip(("out", "dq", "dk", "dv"), errs.tolist()))), flush=True)
+# Under bf16 autocast (training.dtype bfloat16 without FSDP): RoPE leaves q and k in fp32 and v is a
+# linear's bf16 output; SDPA casts all three to bf16 there, and cp_attention must too (the flash op
+# itself is on no autocast list). Its error from the fp32 attention against single-device autocast's.
+mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("rest", "cp"))["cp"]
+rank = mesh.get_local_rank()
+for kernel, window in itertools.product(KERNELS, (None, 5)):
+    g = torch.Generator().manual_seed(11 + (window or 0))
+    b, h, kv_heads, s, d = 2, 4, 2, 32, 8
+    q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (h, kv_heads, kv_heads))
+    truth = causal_attention(q, k, v, window)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        single = causal_attention(q, k, v.bfloat16(), window)
+        local = [shard_sequence(t, 2, rank, dim=2) for t in (q, k, v.bfloat16())]
+        k_pos = torch.cat([zigzag_positions(s, 2, r) for r in range(2)])
+        out = cp_attention(
+            *local,
+            group=mesh.get_group(),
+            q_pos=zigzag_positions(s, 2, rank),
+            k_pos=k_pos,
+            kernel=kernel,
+            window=window,
+        )
+    mine = shard_sequence(truth, 2, rank, dim=2)
+    errs = torch.tensor(
+        [(out.float() - mine).abs().max(), (shard_sequence(single, 2, rank, dim=2).float() - mine).abs().max()]
+    )
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        row = {"autocast": kernel, "window": window, "dtype": str(out.dtype), "single_dtype": str(single.dtype)}
+        print(json.dumps(row | {"err": errs[0].item(), "single_err": errs[1].item()}), flush=True)
 dist.destroy_process_group()

@@ -209,7 +209,15 @@ def test_flash_kernel_checks_the_layout():
 def test_cp_attention_matches_single_device():
     out = torchrun(4, ["tests/dist_scripts/cp_attention.py"]).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    autocast = [c for c in rows if "autocast" in c]
+    rows = [c for c in rows if "autocast" not in c]
     cases, windows = [c for c in rows if "window" not in c], [c for c in rows if "window" in c]
+    # bf16 autocast, q and k fp32 and v bf16 (RoPE's and a linear's outputs): bf16 as SDPA under
+    # autocast, no further from fp32 attention than single-device autocast is, up to bf16's rounding
+    assert {(c["autocast"], c["window"]) for c in autocast} == {(k, w) for k in KERNELS for w in (None, 5)}
+    for c in autocast:
+        assert c["dtype"] == c["single_dtype"] == "torch.bfloat16", c
+        assert c["err"] <= 2 * c["single_err"] + 2**-8, c
     # sliding windows: the tails-only gather where the window fits in a chunk, else the whole sequence
     assert {(c["cp"], c["window"], c["tails"]) for c in windows} == {
         (2, 3, 2),
