@@ -14,8 +14,8 @@ And float8's matmuls (a tp mesh's row-parallel products, a cp or dp mesh's weigh
   sum of its two halves along the inner dimension, each rounded to the output dtype first, as tp 2's
   two partial products are before their all-reduce (an inner dimension not a multiple of 32 stays whole).
 
-The combination matrix measures a float8 run's own noise with `math` and `fp32` (test_matrix.TWINS,
-float8_bars); `split` is for runs by hand (its step-1 grad norm noise is larger: test_matrix.TWINS)."""
+The combination matrix measures a float8 run's own noise with `math` and `fp32`, and `split` too
+where the run has tp (test_matrix.twins_of, float8_bars)."""
 
 import sys
 
