@@ -19,6 +19,7 @@ where the run has tp (test_matrix.twins_of, float8_bars)."""
 
 import sys
 
+import torch
 import torch.nn.functional as F
 import torchao.float8.float8_ops as float8_ops
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -30,9 +31,19 @@ from dtensor3d.__main__ import main
 ROUND_PROBS, SDPA, ADDMM = layers.sink_attention, F.scaled_dot_product_attention, float8_ops.addmm_float8_unwrapped
 
 
+def _unrounded(fn, q, *args, **kwargs):
+    """fn with autocast off (under bf16 autocast -- a run without FSDP -- an fp32 matmul or SDPA would
+    be cast back to bf16, and the twin would be its reference bit for bit), its output in the dtype
+    the reference's attention gives: autocast's, else q's."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    with torch.autocast(device, enabled=False):
+        return fn(q, *args, **kwargs).to(dtype)
+
+
 def sink_attention_fp32_out(q, k, v, sinks, mask):
-    """layers.sink_attention with `probs @ v` in fp32 (v given in fp32), rounded to v's dtype after it."""
-    return ROUND_PROBS(q, k, v.float(), sinks, mask).to(v.dtype)
+    """layers.sink_attention with `probs @ v` in fp32 (v given in fp32), rounded after it."""
+    return _unrounded(lambda q, k, v: ROUND_PROBS(q, k, v.float(), sinks, mask), q, k, v)
 
 
 def sink_attention_repeated_fp32(q, k, v, sinks, mask):
@@ -40,12 +51,12 @@ def sink_attention_repeated_fp32(q, k, v, sinks, mask):
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return ROUND_PROBS(q, k, v.float(), sinks, mask).to(v.dtype)
+    return _unrounded(lambda q, k, v: ROUND_PROBS(q, k, v.float(), sinks, mask), q, k, v)
 
 
 def sdpa_fp32(q, k, v, *args, **kwargs):
-    """scaled_dot_product_attention in fp32, its output rounded to q's dtype once."""
-    return SDPA(q.float(), k.float(), v.float(), *args, **kwargs).to(q.dtype)
+    """scaled_dot_product_attention in fp32, its output rounded once."""
+    return _unrounded(lambda q, k, v: SDPA(q.float(), k.float(), v.float(), *args, **kwargs), q, k, v)
 
 
 def addmm_split(a_data, a_scale, b_data, b_scale, output_dtype, output_scale=None, bias=None, use_fast_accum=False):
