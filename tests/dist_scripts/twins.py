@@ -51,7 +51,7 @@ def sink_attention_repeated_fp32(q, k, v, sinks, mask):
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _unrounded(lambda q, k, v: ROUND_PROBS(q, k, v.float(), sinks, mask), q, k, v)
+    return sink_attention_fp32_out(q, k, v, sinks, mask)
 
 
 def sdpa_fp32(q, k, v, *args, **kwargs):
