@@ -87,6 +87,38 @@ def wait_until(predicate, job: Job | None, what: str, timeout: float = 240):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def hold(job: Job) -> list[int]:
+    """SIGSTOP the job's ranks (its launcher keeps running); `release` them with the list returned."""
+    pids = list(job.workers().values())
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def release(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def connected(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to `port` (/proc: its socket
+    descriptors against the net table's remote ports)."""
+    sockets = set()
+    for fd in glob.glob(f"/proc/{pid}/fd/*"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                sockets.add(link[8:-1])
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                field = row.split()
+                if int(field[2].rsplit(":", 1)[1], 16) == port and field[3] == "01" and field[9] in sockets:
+                    return True
+    return False
+
+
 def at_step(run_dir: Path, step: int):
     return lambda: any(r["step"] >= step for r in records(run_dir))
 

@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 from helpers import PARITY, ROOT, TOL, clean_env
-from jobs import error_lines, free_port, losses, no_traceback, records, wait_until
+from jobs import connected, error_lines, free_port, hold, losses, no_traceback, records, release, wait_until
 
 STEPS = 24
 BASE = [PARITY, "parallelism.tp=2", "training.eval_every=0", "checkpoint.interval=2", "training.timeout_s=60"]
@@ -110,7 +110,12 @@ def test_elastic_shrink_when_a_node_is_lost_and_grow_when_it_returns(tmp_path, j
     kill_node(node1)
     shrunk = "resized: dp 2 -> 1 (node 1 lost), global batch 8 kept, 4 -> 8 microbatches per rank"
     wait_until(lambda: shrunk in node0.text(), node0, "the shrink to one node")
+    # Node 0's ranks wait (SIGSTOP) until node 1's launcher is back at the rendezvous: under load its start
+    # (bash, the door, torchrun) took longer than node 0's remaining steps, and the job ended before it joined.
+    held = hold(node0)
     again = node(jobs, tmp_path, 1, "node1-again", run_args, env)
+    wait_until(lambda: connected(again.proc.pid, int(env["MASTER_PORT"])), again, "node 1 back at the rendezvous")
+    release(held)
     grown = "resized: dp 1 -> 2 (a node joined), global batch 8 kept, 8 -> 4 microbatches per rank"
     assert node0.wait(300) == 0, node0.text()[-3000:]
     assert again.wait(60) == 0, again.text()[-3000:]
