@@ -1,6 +1,6 @@
 """Training throughput of the speed features (issue 13), in one run:
 
-    python bench/throughput.py [--device cpu|cuda] [--steps 8] [--only NAME ...]
+    python bench/throughput.py [--device cpu|cuda] [--steps 8] [--only NAME ...] [--repeat N]
 
 Each variant trains the same model (BENCH below) through dtensor3d's own setup and
 train_step under torchrun (OMP_NUM_THREADS=1 per rank) and reports the median step time of
@@ -9,7 +9,8 @@ eager vs compile, fp32 vs bf16, each recompute mode, each pipeline schedule at p
 each rank's idle fraction beside the bubble formula's), and world 1 against a plain PyTorch
 loop over transformers' LlamaForCausalLM of the same shape (same batch, same AdamW). On
 CUDA it adds MFU (dtensor3d.training.metrics' peak table); on CPU it prints the machine's one-thread
-matmul rate before and after the rows (the VM runs slow at times). `--worker` is the per-rank entry point.
+matmul rate before and after the rows (the VM runs slow at times). `--repeat N` runs each variant N
+times and reports the median run with the runs' spread. `--worker` is the per-rank entry point.
 """
 
 from __future__ import annotations
@@ -196,7 +197,20 @@ def report(name: str, r: dict, recipe, device: str, peak: float | None) -> str:
 
         planned = predict(recipe, lookup("cpu-gloo"), 1)["tokens_per_sec"]
         line += f"  plan --hardware cpu-gloo {planned:,.0f} tok/s ({100 * (planned / tps - 1):+.0f}%)"
+    if len(r.get("runs_s", [])) > 1:
+        fast, slow = (tokens / s for s in (r["runs_s"][0], r["runs_s"][-1]))
+        line += f"  [{len(r['runs_s'])} runs: {1000 * r['runs_s'][0]:.0f}-{1000 * r['runs_s'][-1]:.0f} ms/step"
+        if device == "cpu":
+            line += f", plan {100 * (planned / fast - 1):+.0f}% to {100 * (planned / slow - 1):+.0f}%"
+        line += "]"
     return line
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median step time, with every run's step time (`runs_s`): on a shared VM whole runs
+    of the same variant differ by more than their steps do (docs/benchmarks.md, the eighth look)."""
+    runs = sorted(runs, key=lambda r: r["step_s"])
+    return {**runs[len(runs) // 2], "runs_s": [r["step_s"] for r in runs]}
 
 
 def machine_speed() -> float:
@@ -218,6 +232,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="runs of each variant: the median run is reported, with the runs' spread"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
@@ -234,7 +251,7 @@ def main() -> None:
     for name, (ranks, overrides) in VARIANTS.items():
         if args.only and name not in args.only:
             continue
-        results[name] = run_variant(name, ranks, overrides, args)
+        results[name] = median_run([run_variant(name, ranks, overrides, args) for _ in range(args.repeat)])
         print(report(name, results[name], bench_recipe(overrides, args.device), args.device, peak), flush=True)
     if not args.only:
         print("\n".join(memory_table()), flush=True)
