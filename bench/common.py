@@ -1,7 +1,9 @@
 """Code the benchmarks share: the repository root, the benchmark model's recipe, and the
 side-by-side row. Imports nothing from the other bench scripts (no import circle)."""
 
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 
@@ -18,13 +20,20 @@ BENCH = {
 }  # fmt: skip
 
 
+def scratch(prefix: str) -> str:
+    """A new folder under the system's temporary one, removed when this process ends."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def bench_recipe(overrides: list[str], device: str):
     from dtensor3d.config.checks import validate
     from dtensor3d.config.load import recipe_from_dict
 
     raw = {k: dict(v) for k, v in BENCH.items()}
     raw["training"]["device"] = device
-    raw["logging"] = {"run_dir": tempfile.mkdtemp(prefix="bench-")}
+    raw["logging"] = {"run_dir": scratch("bench-")}
     recipe = recipe_from_dict(raw, overrides)
     validate(recipe)
     return recipe

@@ -13,7 +13,9 @@ machine: another tenant's load inflates them.
 
 from __future__ import annotations
 
+import argparse
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -22,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 
 
 def _best(fn, repeats: int = 7, clock=time.perf_counter) -> float:
@@ -431,61 +434,133 @@ def shared_reduce_scatter(cores: int, wire_s: float) -> float:
     return core - unit - wire_s
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dtensor3d.plan.hardware import lookup
-    from dtensor3d.plan.perf import call_steps
+def measure(hw) -> dict[str, float]:
+    """One pass of every probe: {hardware.yaml field: value, in the table's units} and, under
+    names starting with `_`, the raw figures printed beside them. `hw`: the entry whose link
+    bandwidth sizes the shared-core probes' copies."""
+    from dtensor3d.plan.perf import LINK_EFF, call_steps
     from dtensor3d.plan.perf_compute import HBM_EFF, MATMUL_EFF
 
-    hw = lookup("cpu-gloo")
     gflops, gbps, op, attn = matmul_gflops(), stream_gbps(), op_overhead_us(), attention_gflops()
     layer_host, outer_host = layer_host_us()
     fsdp_unit, one_rank_param = wrapper_us()
     lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
     tp_op = tp_linear_us(lat_cpu + dtensor_call)
     grad, dtensor_param = step_host_us(lat_cpu)  # on a real two-rank mesh (wrapper_us': one rank)
-    from dtensor3d.plan.perf import LINK_EFF
-
     link_s = 32768 / (hw.intra_node_gbps * 1e9 * LINK_EFF)
     factor, shared_call, idle = shared_cores(hw.cores_per_node, link_s)
     rs_call = shared_reduce_scatter(hw.cores_per_node, 2 * 3 / 4 * link_s)
     call_wall, call_core = interleaved_call(hw.cores_per_node, link_s)
-    print(f"matmul {gflops:.1f} GFLOP/s -> peak {gflops / MATMUL_EFF / 1000:.4f} TFLOP/s (table {hw.bf16_tflops})")
-    print(f"stream {gbps:.2f} GB/s -> hbm_gbps {gbps / HBM_EFF:.2f} (table {hw.hbm_gbps})")
-    print(f"attention forward+backward {attn:.1f} GFLOP/s -> attention_fraction", end=" ")
-    print(f"{attn * MATMUL_EFF / gflops:.3f} of this peak, {attn / 1000 / hw.bf16_tflops:.3f} of the table's", end=" ")
-    print(f"(table {hw.attention_fraction})")
-    print(f"eager op forward+backward {op:.1f} us (table op_overhead_us {getattr(hw, 'op_overhead_us', None)})")
-    print(f"eager decoder layer's host time {layer_host:.0f} us (table layer_host_us {hw.layer_host_us}),", end=" ")
-    print(f"embedding, norm, head and loss {outer_host:.0f} us (table outer_host_us {hw.outer_host_us})")
-    print(f"tp-sharded linear's host time {tp_op:.0f} us (table tp_linear_us {hw.tp_linear_us})")
-    print(f"FSDP2 hooks per unit and microbatch {fsdp_unit:.0f} us (table fsdp_unit_us {hw.fsdp_unit_us})")
-    print(f"AdamW per DTensor parameter {dtensor_param:.0f} us, two ranks ({one_rank_param:.0f} on one rank's mesh)")
-    print(f"  (table dtensor_param_us {hw.dtensor_param_us})")
-    print(f"step bookkeeping per DTensor parameter {grad:.0f} us (table dtensor_grad_us {hw.dtensor_grad_us})")
-    steps = call_steps(hw, "all_reduce", 2)  # the table's per-step fields: a 2-rank all-reduce's steps
-    print(f"gloo 4 B all-reduce {lat * 1e6:.0f} us, {steps} steps of {lat * 1e6 / steps:.1f}", end=" ")
-    print(f"(table collective_latency_us {hw.collective_latency_us}); 4 MiB: {link:.2f} GB/s")
-    print(f"gloo 4 B all-reduce's core time, one process {lat_cpu * 1e6:.0f} us, a step", end=" ")
-    print(f"{lat_cpu * 1e6 / steps:.1f} (table collective_cpu_us {hw.collective_cpu_us})")
-    print(f"what DTensor's redistribution adds to it {dtensor_call * 1e6:.0f} us (table {hw.dtensor_collective_us})")
-    wake, wake_cpu = (call_wall - lat) * 1e6, (call_core - lat_cpu) * 1e6  # beyond its back-to-back steps
-    print(f"a 2-rank all-reduce between eager units (the trainer's pattern; a core each): {call_wall * 1e6:.0f} us")
-    print(f"  of wall, back to back's {lat * 1e6:.0f} + wake-up {wake:.0f} (table collective_wake_us", end=" ")
-    print(f"{hw.collective_wake_us}); core {call_core * 1e6:.0f} us, back to back's {lat_cpu * 1e6:.0f} +", end=" ")
-    print(f"{wake_cpu:.0f} (table collective_wake_cpu_us {hw.collective_wake_cpu_us})")
-    print(f"{8 * hw.cores_per_node} processes on {hw.cores_per_node} cores:", end=" ")
-    print(f"eager work's core time x{factor:.3f}", end=" ")
-    print(f"(table shared_core_factor {hw.shared_core_factor}), a 2-rank all-reduce's core time", end=" ")
-    print(f"{shared_call * 1e6:.0f} us, a step {shared_call * 1e6 / steps:.1f}", end=" ")
-    print(f"(table shared_collective_cpu_us {hw.shared_collective_cpu_us}), cores idle {idle:.3f}", end=" ")
-    print(f"(table shared_idle {hw.shared_idle})")
-    rs_steps = call_steps(hw, "reduce_scatter", 4)
-    print(f"  a 4-rank reduce-scatter's core time there {rs_call * 1e6:.0f} us: {rs_steps} steps of", end=" ")
+    steps, peak = call_steps(hw, "all_reduce", 2), gflops / MATMUL_EFF / 1000  # a 2-rank all-reduce's steps
+    return {
+        "bf16_tflops": peak, "fp8_tflops": peak, "hbm_gbps": gbps / HBM_EFF,
+        "attention_fraction": attn / 1000 / peak, "op_overhead_us": op,
+        "layer_host_us": layer_host, "outer_host_us": outer_host, "tp_linear_us": tp_op,
+        "fsdp_unit_us": fsdp_unit, "dtensor_param_us": dtensor_param, "dtensor_grad_us": grad,
+        "collective_latency_us": lat * 1e6 / steps, "intra_node_gbps": link / LINK_EFF,
+        "inter_node_gbps": link / LINK_EFF, "collective_cpu_us": lat_cpu * 1e6 / steps,
+        "dtensor_collective_us": dtensor_call * 1e6, "collective_wake_us": (call_wall - lat) * 1e6,
+        "collective_wake_cpu_us": (call_core - lat_cpu) * 1e6, "shared_core_factor": factor,
+        "shared_collective_cpu_us": shared_call * 1e6 / steps, "shared_idle": idle,
+        "_gflops": gflops, "_gbps": gbps, "_attn": attn, "_link": link, "_one_rank_param": one_rank_param,
+        "_rs_call_us": rs_call * 1e6, "_call_wall_us": call_wall * 1e6, "_call_core_us": call_core * 1e6,
+        "_steps": steps,
+    }  # fmt: skip
+
+
+WHAT = {  # field -> what the probe measured for it (one thread, fp32; the table's units)
+    "bf16_tflops": "matmul on the bench model's GEMMs / MATMUL_EFF, TFLOP/s (fp8_tflops the same)",
+    "hbm_gbps": "an elementwise op's streaming / HBM_EFF, GB/s",
+    "attention_fraction": "SDPA forward+backward in plan's FLOPs, share of this peak",
+    "op_overhead_us": "an eager op with its backward",
+    "layer_host_us": "an eager decoder layer's host time, forward with backward",
+    "outer_host_us": "the embedding, final norm, head and loss's host time",
+    "tp_linear_us": "what a tp-sharded linear adds (DTensor, the styles' hooks)",
+    "fsdp_unit_us": "FSDP2's hooks per unit and microbatch",
+    "dtensor_param_us": "what AdamW adds per DTensor parameter, two ranks",
+    "dtensor_grad_us": "step bookkeeping per DTensor parameter",
+    "collective_latency_us": "a gloo 4 B all-reduce's wall per ring step",
+    "intra_node_gbps": "a gloo 4 MiB all-reduce's wire GB/s / LINK_EFF (inter_node_gbps the same)",
+    "collective_cpu_us": "its core time per ring step, one process",
+    "dtensor_collective_us": "what DTensor's redistribution adds to a call",
+    "collective_wake_us": "a call between eager work: wall beyond back to back's",
+    "collective_wake_cpu_us": "the same call's core beyond back to back's",
+    "shared_core_factor": "8 processes a core: eager work's core time over a core each",
+    "shared_collective_cpu_us": "8 processes a core: a 2-rank all-reduce's core per ring step",
+    "shared_idle": "8 processes a core: the share of the cores left idle",
+}
+
+
+def report(m: dict[str, float], hw) -> None:
+    """measure()'s figures beside the entry's (`hw`), with the ring model's check."""
+    for field, what in WHAT.items():
+        print(f"  {field:26s} {m[field]:10.4g}  (table {getattr(hw, field)})  {what}")
+    print(f"  a one-thread matmul {m['_gflops']:.1f} GFLOP/s, streaming {m['_gbps']:.2f} GB/s,", end=" ")
+    print(f"gloo {m['_link']:.2f} GB/s")
+    print(f"  AdamW per DTensor parameter on a one-rank mesh {m['_one_rank_param']:.0f} us")
+    rs_steps = 6  # a 4-rank reduce-scatter, run by gloo as an all-reduce: 2 (n - 1) ring steps
     print(
-        f"{rs_call * 1e6 / rs_steps:.1f} us (the ring model's check: the pair's step {shared_call * 1e6 / steps:.1f})"
+        f"  8 processes a core: a 4-rank reduce-scatter's core {m['_rs_call_us']:.0f} us, {rs_steps} steps of", end=" "
     )
+    pair = m["shared_collective_cpu_us"]
+    print(f"{m['_rs_call_us'] / rs_steps:.1f} (the ring model's check: the pair's step {pair:.1f})")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.machine()
+
+
+def median_entry(passes: list[dict[str, float]], hw, name: str) -> dict:
+    """A hardware.yaml entry of this machine: each probed field the median over the passes (each
+    pass's figure its fastest timing), the rest (capacity, node size, step model) this machine's
+    or `hw`'s."""
+    fields = {k: statistics.median(p[k] for p in passes) for k in passes[0] if not k.startswith("_")}
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    rounded = {k: round(v, 4 if v < 10 else 1) for k, v in fields.items()}
+    rounded["shared_idle"] = max(rounded["shared_idle"], 0.0001)  # the table's fields are positive
+    head = {"hbm_gb": round(memory), "gpus_per_node": hw.gpus_per_node, "cores_per_node": os.cpu_count()}
+    source = (
+        f"bench/hardware_probe.py --repeat {len(passes)} on {platform.node() or 'this machine'}"
+        f" ({cpu_model()}, {os.cpu_count()} cores),"
+        f" {time.strftime('%Y-%m-%d %H:%M %Z')}: each field the median over the passes of each pass's fastest timing"
+    )
+    return {name: {**head, **rounded, "collective_steps": hw.collective_steps, "source": source}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=1, help="passes of every probe; fields: the median over them")
+    ap.add_argument("--write", metavar="FILE", help="write the medians as a hardware file (plan --hardware-file)")
+    ap.add_argument("--name", default="cpu-probed", help="the written entry's name (default cpu-probed)")
+    args = ap.parse_args()
+    if args.repeat < 1:
+        print(f"error: --repeat {args.repeat}: must be at least 1", file=sys.stderr)
+        raise SystemExit(2)
+    torch.set_num_threads(1)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dtensor3d.plan.hardware import lookup
+
+    hw, passes = lookup("cpu-gloo"), []
+    for i in range(args.repeat):
+        passes.append(measure(hw))
+        print(f"pass {i + 1} of {args.repeat} ({time.strftime('%H:%M:%S')}):" if args.repeat > 1 else "", flush=True)
+        report(passes[-1], hw)
+    if args.repeat > 1:
+        print(f"median over {args.repeat} passes (range):")
+        for k in WHAT:
+            values = [p[k] for p in passes]
+            print(f"  {k:26s} {statistics.median(values):10.4g}  ({min(values):.4g}-{max(values):.4g})", end=" ")
+            print(f"(table {getattr(hw, k)})")
+    if args.write:
+        with open(args.write, "w") as f:
+            yaml.safe_dump(median_entry(passes, hw, args.name), f, sort_keys=False, width=100)
+        print(f"wrote {args.write}: plan RECIPE --hardware-file {args.write} --hardware {args.name}")
 
 
 if __name__ == "__main__":

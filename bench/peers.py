@@ -33,10 +33,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-from common import ROOT, line
+from common import ROOT, line, scratch
 
 FULL = dict(vocab=2048, hidden=256, inter=688, layers=4, heads=8, kv=4, seq=256, batch=8, micro=2)
 QUICK = dict(vocab=256, hidden=64, inter=128, layers=2, heads=4, kv=2, seq=32, batch=4, micro=2)
@@ -82,7 +81,7 @@ def recipe_for(shape: dict, overrides: list[str]):
             steps=1000, eval_every=0, device="cpu",
         ),
         "optimizer": dict(lr=1e-4, warmup_steps=0, decay="constant"),
-        "logging": {"run_dir": tempfile.mkdtemp(prefix="peers-")},
+        "logging": {"run_dir": scratch("peers-")},
     }  # fmt: skip
     recipe = recipe_from_dict(raw, overrides)
     validate(recipe)
@@ -238,7 +237,7 @@ def worker(args) -> None:
 def run_job(ranks: int, tasks: list, args, ckpt: str) -> dict[str, float]:
     """{label: median seconds per step (after the first)} of one torchrun job running `tasks`
     in order in the same processes."""
-    out = tempfile.mktemp(suffix=".json")
+    out = os.path.join(scratch("result-"), "out.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__]
     cmd += ["--worker", "--tasks", json.dumps(tasks), "--steps", str(args.steps), "--out", out, "--ckpt", ckpt]
     cmd += ["--quick"] * args.quick
@@ -261,7 +260,7 @@ def make_checkpoint(shape: dict) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaForCausalLM
 
-    path = tempfile.mkdtemp(prefix="peers-ckpt-")
+    path = scratch("peers-ckpt-")
     torch.manual_seed(0)
     LlamaForCausalLM(hf_config(shape)).save_pretrained(path)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())

@@ -21,11 +21,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
-from common import BENCH, ROOT, bench_recipe
+from common import BENCH, ROOT, bench_recipe, scratch
 
 PP2 = ["parallelism.pp=2"]  # 4 layers, 4 microbatches of 2
 # pp 4: 8 layers (2 per stage under the multi-stage schedules) and 8 microbatches, for every schedule
@@ -103,7 +102,7 @@ def worker(overrides: list[str], steps: int, device: str, out: str) -> None:
 
 
 def run_variant(name: str, ranks: int, overrides: list[str], args) -> dict:
-    out = tempfile.mktemp(suffix=".json")
+    out = os.path.join(scratch("result-"), "out.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__]
     cmd += ["--worker", "--steps", str(args.steps), "--device", args.device, "--out", out, "--", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=ROOT)
@@ -175,8 +174,9 @@ def memory_table() -> list[str]:
     return lines
 
 
-def report(name: str, r: dict, recipe, device: str, peak: float | None) -> str:
-    """One variant's line; on CUDA with MFU against `peak` FLOP/s per device (metrics.peak_flops)."""
+def report(name: str, r: dict, recipe, device: str, peak: float | None, hw=None) -> str:
+    """One variant's line; on CUDA with MFU against `peak` FLOP/s per device (metrics.peak_flops);
+    on CPU with plan's prediction on `hw` (default: hardware.yaml's cpu-gloo)."""
     from dtensor3d.training.metrics import flops_per_token, mfu
 
     tokens = recipe.training.global_batch_size * recipe.training.sequence_length
@@ -195,8 +195,9 @@ def report(name: str, r: dict, recipe, device: str, peak: float | None) -> str:
         from dtensor3d.plan.hardware import lookup
         from dtensor3d.plan.perf import predict
 
-        planned = predict(recipe, lookup("cpu-gloo"), 1)["tokens_per_sec"]
-        line += f"  plan --hardware cpu-gloo {planned:,.0f} tok/s ({100 * (planned / tps - 1):+.0f}%)"
+        hw = hw or lookup("cpu-gloo")
+        planned = predict(recipe, hw, 1)["tokens_per_sec"]
+        line += f"  plan --hardware {hw.name} {planned:,.0f} tok/s ({100 * (planned / tps - 1):+.0f}%)"
     if len(r.get("runs_s", [])) > 1:
         fast, slow = (tokens / s for s in (r["runs_s"][0], r["runs_s"][-1]))
         line += f"  [{len(r['runs_s'])} runs: {1000 * r['runs_s'][0]:.0f}-{1000 * r['runs_s'][-1]:.0f} ms/step"
@@ -235,6 +236,8 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=1, help="runs of each variant: the median run is reported, with the runs' spread"
     )
+    ap.add_argument("--hardware", default="cpu-gloo", help="plan's entry the CPU rows are compared with")
+    ap.add_argument("--hardware-file", help="a hardware file with it (bench/hardware_probe.py --write)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
@@ -246,13 +249,21 @@ def main() -> None:
     from dtensor3d.training.metrics import peak_flops
 
     peak = peak_flops(torch.device(args.device))  # None on CPU
+    from dtensor3d.errors import RecipeError
+    from dtensor3d.plan.hardware import lookup
+
+    try:
+        hw = lookup(args.hardware, args.hardware_file)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"model {BENCH['model']}, {tokens} tokens/step (pp4: 8 layers, 2x tokens), median of steps 3..{args.steps}")
     before = machine_speed() if args.device == "cpu" else None
     for name, (ranks, overrides) in VARIANTS.items():
         if args.only and name not in args.only:
             continue
         results[name] = median_run([run_variant(name, ranks, overrides, args) for _ in range(args.repeat)])
-        print(report(name, results[name], bench_recipe(overrides, args.device), args.device, peak), flush=True)
+        print(report(name, results[name], bench_recipe(overrides, args.device), args.device, peak, hw), flush=True)
     if not args.only:
         print("\n".join(memory_table()), flush=True)
     hf = hf_reference(args)
