@@ -39,10 +39,17 @@ def _best(fn, repeats: int = 7, clock=time.perf_counter) -> float:
     return min(times)
 
 
-def matmul_gflops() -> float:
-    a, b = torch.randn(1024, 256), torch.randn(256, 704)
-    n = 10
-    s = _best(lambda: [a @ b for _ in range(n)])
+def matmul_gflops(dtype: torch.dtype = torch.float32) -> float:
+    """A one-thread GEMM of the bench model's shape in `dtype` (float8: torch._scaled_mm, as
+    torchao's Float8Linear runs it, into bf16), GFLOP/s."""
+    a, b = torch.randn(1024, 256), torch.randn(704, 256).t()
+    if dtype == torch.float8_e4m3fn:
+        one, a8, b8 = torch.tensor(1.0), a.to(dtype), b.t().to(dtype).t()
+        fn, n = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 2
+    else:
+        a, b = a.to(dtype), b.contiguous().to(dtype)
+        fn, n = (lambda: a @ b), (10 if dtype == torch.float32 else 2)  # a CPU's bf16 can be 30x slower
+    s = _best(lambda: [fn() for _ in range(n)])
     return 2 * 1024 * 256 * 704 * n / s / 1e9
 
 
@@ -53,15 +60,15 @@ def stream_gbps() -> float:
     return 2 * a.nbytes / s / 1e9
 
 
-def attention_gflops() -> float:
+def attention_gflops(dtype: torch.dtype = torch.float32) -> float:
     """SDPA's CPU flash kernel, causal, forward with backward, at the bench model's attention
     (microbatch 2, 8 query and 4 key/value heads of 32, sequence 256), in plan's FLOPs
-    (perf_compute._attention_flops: half the sequence seen, x3.5 for forward with backward)."""
+    (perf_compute._attention_flops: half the sequence seen, x3.5 for forward with backward), in `dtype`."""
     import torch.nn.functional as F
 
     b, h, kv, s, d = 2, 8, 4, 256, 32
-    q = torch.randn(b, h, s, d, requires_grad=True)
-    k, v = (torch.randn(b, kv, s, d, requires_grad=True) for _ in range(2))
+    q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, dtype=dtype, requires_grad=True) for _ in range(2))
 
     def run():
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
@@ -442,6 +449,11 @@ def measure(hw) -> dict[str, float]:
     from dtensor3d.plan.perf_compute import HBM_EFF, MATMUL_EFF
 
     gflops, gbps, op, attn = matmul_gflops(), stream_gbps(), op_overhead_us(), attention_gflops()
+    bf16, fp8, bf16_attn = (
+        matmul_gflops(torch.bfloat16),
+        matmul_gflops(torch.float8_e4m3fn),
+        attention_gflops(torch.bfloat16),
+    )
     layer_host, outer_host = layer_host_us()
     fsdp_unit, one_rank_param = wrapper_us()
     lat, link, lat_cpu, dtensor_call = gloo_latency_and_gbps()
@@ -452,9 +464,11 @@ def measure(hw) -> dict[str, float]:
     rs_call = shared_reduce_scatter(hw.cores_per_node, 2 * 3 / 4 * link_s)
     call_wall, call_core = interleaved_call(hw.cores_per_node, link_s)
     steps, peak = call_steps(hw, "all_reduce", 2), gflops / MATMUL_EFF / 1000  # a 2-rank all-reduce's steps
+    bf16_peak = bf16 / MATMUL_EFF / 1000
     return {
-        "bf16_tflops": peak, "fp8_tflops": peak, "hbm_gbps": gbps / HBM_EFF,
-        "attention_fraction": attn / 1000 / peak, "op_overhead_us": op,
+        "bf16_tflops": bf16_peak, "fp8_tflops": fp8 / MATMUL_EFF / 1000, "fp32_tflops": peak,
+        "hbm_gbps": gbps / HBM_EFF, "attention_fraction": bf16_attn / 1000 / bf16_peak,
+        "fp32_attention_fraction": attn / 1000 / peak, "op_overhead_us": op,
         "layer_host_us": layer_host, "outer_host_us": outer_host, "tp_linear_us": tp_op,
         "fsdp_unit_us": fsdp_unit, "dtensor_param_us": dtensor_param, "dtensor_grad_us": grad,
         "collective_latency_us": lat * 1e6 / steps, "intra_node_gbps": link / LINK_EFF,
@@ -469,9 +483,12 @@ def measure(hw) -> dict[str, float]:
 
 
 WHAT = {  # field -> what the probe measured for it (one thread, fp32; the table's units)
-    "bf16_tflops": "matmul on the bench model's GEMMs / MATMUL_EFF, TFLOP/s (fp8_tflops the same)",
+    "fp32_tflops": "an fp32 GEMM of the bench model's shape / MATMUL_EFF, TFLOP/s",
+    "bf16_tflops": "the same GEMM in bf16 / MATMUL_EFF",
+    "fp8_tflops": "the same GEMM by torch._scaled_mm, float8 e4m3 into bf16 / MATMUL_EFF",
     "hbm_gbps": "an elementwise op's streaming / HBM_EFF, GB/s",
-    "attention_fraction": "SDPA forward+backward in plan's FLOPs, share of this peak",
+    "fp32_attention_fraction": "SDPA forward+backward in fp32, plan's FLOPs, share of fp32_tflops",
+    "attention_fraction": "the same in bf16, share of bf16_tflops",
     "op_overhead_us": "an eager op with its backward",
     "layer_host_us": "an eager decoder layer's host time, forward with backward",
     "outer_host_us": "the embedding, final norm, head and loss's host time",

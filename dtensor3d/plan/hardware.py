@@ -25,6 +25,8 @@ FIELDS = (
     "attention_fraction",
 )
 OPTIONAL = (
+    "fp32_tflops",
+    "fp32_attention_fraction",
     "cores_per_node",
     "op_overhead_us",
     "tp_linear_us",
@@ -59,6 +61,10 @@ class Hardware:
     inter_node_gbps: float
     collective_latency_us: float
     attention_fraction: float
+    # CPU: the fp32 matmul peak and the share of it the attention kernel reaches in fp32 (CPU training's
+    # dtype; a CPU without native bf16 GEMMs runs bf16 many times slower). 0: fp32 at bf16's figures
+    fp32_tflops: float = 0.0
+    fp32_attention_fraction: float = 0.0
     cores_per_node: int = 0  # CPU: the node's ranks share these cores (0: one device per rank)
     op_overhead_us: float = 0.0  # CPU: eager dispatch of one op with its backward (GPUs: hidden, the host runs ahead)
     tp_linear_us: float = 0.0  # CPU: the host cost a tp-sharded linear adds, forward with backward (DTensor)

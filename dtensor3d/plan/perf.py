@@ -48,8 +48,8 @@ import math
 from .collectives import comm_bytes
 from .estimate import estimate, flops_per_step, resolve_reshard
 from .memory import bubble_fraction
-from .params import rank_parts
-from .perf_compute import float8_on, optimizer_seconds, rank_seconds, tp_linears
+from .params import rank_parts, sizes
+from .perf_compute import dense_peak, float8_on, optimizer_seconds, rank_seconds, tp_linears
 from .reshard import hardware_bytes
 
 LINK_EFF = 0.80  # share of a link's bandwidth NCCL's rings reach (nccl-tests bus bandwidth)
@@ -338,7 +338,7 @@ def predict(recipe, hw, nodes: int, float8: bool | None = None, sac_matmuls: flo
         "tokens_per_sec": tokens / step,
         "tokens_per_sec_per_gpu": tokens / step / world,
         "tflops_per_gpu": flops / step / world / 1e12,
-        "mfu": flops / step / world / (hw.bf16_tflops * 1e12),
+        "mfu": flops / step / world / dense_peak(hw, sizes(recipe).compute),
         "bound": bound.removesuffix("_s"),
         "advice": ADVICE[bound],
         "constants": constants(),

@@ -15,7 +15,8 @@ layers' linears run at the fp8 peak with 1-byte operands, plus their casts (memo
 Attention is flash attention: causal, so each query sees half the sequence on average
 (context parallelism's zig-zag chunks balance it too); 4 FLOPs per query-key pair and head
 dimension forward (QK^T and PV), 2.5x that backward (it recomputes the scores), at the
-entry's `attention_fraction` of the bf16 peak.
+entry's `attention_fraction` of the bf16 peak (fp32 on a CPU entry: `fp32_attention_fraction` of
+`fp32_tflops`; a CPU without native bf16 GEMMs runs bf16 matmuls many times slower than fp32).
 
 Memory-bound ops (norms, residual adds, RoPE, SwiGLU's product, layout copies, MoE's token
 permutations, the loss over the vocabulary, AdamW's update) are bytes moved at HBM_EFF of the
@@ -72,10 +73,23 @@ def _linears(recipe, moe: bool) -> list[tuple[int, int, int, int]]:
     return attn + ffn
 
 
+def dense_peak(hw, width: int) -> float:
+    """The dense matmul peak, FLOP/s, in the compute dtype (`width` bytes a value): fp32 at the
+    entry's fp32_tflops where it gives one (a CPU's), else -- and in bf16 -- at bf16_tflops."""
+    return (hw.fp32_tflops if width == 4 and hw.fp32_tflops else hw.bf16_tflops) * 1e12
+
+
+def attention_rate(hw, width: int) -> float:
+    """FLOP/s of the flash-attention kernel in the compute dtype: its share of that dtype's peak."""
+    if width == 4 and hw.fp32_tflops:
+        return hw.fp32_tflops * 1e12 * (hw.fp32_attention_fraction or hw.attention_fraction)
+    return hw.bf16_tflops * 1e12 * hw.attention_fraction
+
+
 def gemm_seconds(shape, hw, fp8: bool, width: int) -> float:
     """One forward GEMM (times its count) on `hw`: compute plus operand streaming, at MATMUL_EFF."""
     M, K, N, count = shape
-    peak = (hw.fp8_tflops if fp8 else hw.bf16_tflops) * 1e12
+    peak = hw.fp8_tflops * 1e12 if fp8 else dense_peak(hw, width)
     e = 1 if fp8 else width
     moved = e * (M * K + K * N) + width * M * N
     return count * (2 * M * K * N / peak + moved / _bandwidth(hw)) / MATMUL_EFF
@@ -127,7 +141,7 @@ def layer_seconds(recipe, hw, layer: int, fp8: bool, sac_matmuls: float = 0.0) -
     gemms = _linears(recipe, moe)
     router = len(gemms) - (4 if m.shared_intermediate_size else 2) - 1 if moe else -1
     mm = sum(gemm_seconds(s, hw, fp8 and i != router, z.compute) for i, s in enumerate(gemms))
-    attn = _attention_flops(recipe, layer) / (hw.bf16_tflops * 1e12 * hw.attention_fraction)
+    attn = _attention_flops(recipe, layer) / attention_rate(hw, z.compute)
     mem = _memory_bytes(recipe, moe) / (_bandwidth(hw) * HBM_EFF)
     if fp8:  # each linear's input and weight cast forward, the output gradient backward
         casts = sum(c * (M * K + K * N + M * N) for M, K, N, c in gemms) * FP8_CAST_BYTES

@@ -27,7 +27,7 @@ def test_probed_passes_become_a_hardware_file_plan_reads(tmp_path):
     field by field, with this machine's cores and the ring step model, and loads by name
     (case-insensitive) through --hardware-file; its slower host and links make plan slower."""
     hw = lookup("cpu-gloo")
-    fields = [*hardware_probe.WHAT, "fp8_tflops", "inter_node_gbps"]
+    fields = [*hardware_probe.WHAT, "inter_node_gbps"]
     base = {f: float(getattr(hw, f)) or 0.1 for f in fields}  # cpu-gloo's shared_idle is 0
     passes = [{f: v * scale for f, v in base.items()} | {"_gflops": 1.0} for scale in (1.0, 3.0, 2.0)]
     path = tmp_path / "here.yaml"
@@ -39,6 +39,26 @@ def test_probed_passes_become_a_hardware_file_plan_reads(tmp_path):
     assert "--repeat 3" in got.source
     tp2 = load_recipe(str(REPO / "recipes/3d.yaml"), ["parallelism.dp=1", "parallelism.pp=1"])
     slower = dict(hardware_probe.median_entry(passes, hw, "cpu-here")["cpu-here"])
-    slower.update(bf16_tflops=hw.bf16_tflops, fp8_tflops=hw.fp8_tflops, hbm_gbps=hw.hbm_gbps)  # same compute
+    slower.update({f: getattr(hw, f) for f in ("bf16_tflops", "fp8_tflops", "fp32_tflops", "hbm_gbps")})  # same compute
     path.write_text(yaml.safe_dump({"cpu-slow-host": slower}))
     assert predict(tp2, lookup("cpu-slow-host", str(path)), 1)["step_time_s"] > predict(tp2, hw, 1)["step_time_s"]
+
+
+def test_a_cpu_entry_runs_fp32_at_its_fp32_peak_and_bf16_at_its_bf16_peak():
+    """cpu-gloo's fp32_tflops and fp32_attention_fraction price an fp32 recipe's matmuls, attention and
+    MFU exactly as an entry whose bf16 figures were those (a GPU entry: no fp32 fields); a bf16 recipe
+    takes the bf16 GEMM rate, ~29x slower on this machine (no native bf16 GEMMs), whatever fp32's is."""
+    from dataclasses import replace
+
+    cpu = lookup("cpu-gloo")
+    world_1 = ["parallelism.dp=1", "parallelism.pp=1", "parallelism.tp=1"]
+    fp32 = load_recipe(str(REPO / "recipes/3d.yaml"), world_1)
+    bf16 = load_recipe(str(REPO / "recipes/3d.yaml"), [*world_1, "training.dtype=bfloat16"])
+    as_bf16 = replace(cpu, bf16_tflops=cpu.fp32_tflops, attention_fraction=cpu.fp32_attention_fraction, fp32_tflops=0.0)
+    got, same = predict(fp32, cpu, 1), predict(fp32, as_bf16, 1)
+    for key in ("matmul_s", "attention_s"):
+        assert got["breakdown_s"][key] == pytest.approx(same["breakdown_s"][key], rel=1e-12), key
+    assert got["mfu"] == pytest.approx(same["mfu"], rel=1e-12)
+    slow = predict(bf16, cpu, 1)["breakdown_s"]["matmul_s"]
+    assert slow == predict(bf16, replace(cpu, fp32_tflops=3 * cpu.fp32_tflops), 1)["breakdown_s"]["matmul_s"]
+    assert slow > 20 * got["breakdown_s"]["matmul_s"]
