@@ -106,6 +106,7 @@ QUICK_FILES = {
     "test_plan.py",
     "test_plan_accuracy.py",
     "test_plan_simulate.py",
+    "test_hardware_file.py",
     "test_prepare.py",
     "test_chat.py",
     "test_recipe_errors.py",
