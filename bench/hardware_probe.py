@@ -566,7 +566,8 @@ def main() -> None:
     hw, passes = lookup("cpu-gloo"), []
     for i in range(args.repeat):
         passes.append(measure(hw))
-        print(f"pass {i + 1} of {args.repeat} ({time.strftime('%H:%M:%S')}):" if args.repeat > 1 else "", flush=True)
+        if args.repeat > 1:
+            print(f"pass {i + 1} of {args.repeat} ({time.strftime('%H:%M:%S')}):", flush=True)
         report(passes[-1], hw)
     if args.repeat > 1:
         print(f"median over {args.repeat} passes (range):")
