@@ -478,7 +478,7 @@ def measure(hw) -> dict[str, float]:
         "shared_collective_cpu_us": shared_call * 1e6 / steps, "shared_idle": idle,
         "_gflops": gflops, "_gbps": gbps, "_attn": attn, "_link": link, "_one_rank_param": one_rank_param,
         "_rs_call_us": rs_call * 1e6, "_call_wall_us": call_wall * 1e6, "_call_core_us": call_core * 1e6,
-        "_steps": steps,
+        "_rs_steps": call_steps(hw, "reduce_scatter", 4),
     }  # fmt: skip
 
 
@@ -515,7 +515,7 @@ def report(m: dict[str, float], hw) -> None:
     print(f"  a one-thread matmul {m['_gflops']:.1f} GFLOP/s, streaming {m['_gbps']:.2f} GB/s,", end=" ")
     print(f"gloo {m['_link']:.2f} GB/s")
     print(f"  AdamW per DTensor parameter on a one-rank mesh {m['_one_rank_param']:.0f} us")
-    rs_steps = 6  # a 4-rank reduce-scatter, run by gloo as an all-reduce: 2 (n - 1) ring steps
+    rs_steps = m["_rs_steps"]  # a 4-rank reduce-scatter: gloo runs it as an all-reduce, 2 (n - 1) ring steps
     print(
         f"  8 processes a core: a 4-rank reduce-scatter's core {m['_rs_call_us']:.0f} us, {rs_steps} steps of", end=" "
     )
@@ -539,8 +539,8 @@ def median_entry(passes: list[dict[str, float]], hw, name: str) -> dict:
     or `hw`'s."""
     fields = {k: statistics.median(p[k] for p in passes) for k in passes[0] if not k.startswith("_")}
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    rounded = {k: round(v, 4 if v < 10 else 1) for k, v in fields.items()}
-    rounded["shared_idle"] = max(rounded["shared_idle"], 0.0001)  # the table's fields are positive
+    # a field probed at 0 (shared_idle: no core left idle) is left out: the table's default, 0
+    rounded = {k: round(v, 4 if v < 10 else 1) for k, v in fields.items() if round(v, 4) > 0}
     head = {"hbm_gb": round(memory), "gpus_per_node": hw.gpus_per_node, "cores_per_node": os.cpu_count()}
     source = (
         f"bench/hardware_probe.py --repeat {len(passes)} on {platform.node() or 'this machine'}"

@@ -37,6 +37,9 @@ def test_probed_passes_become_a_hardware_file_plan_reads(tmp_path):
         assert getattr(got, f) == pytest.approx(2 * base[f], rel=1e-3), f
     assert (got.cores_per_node, got.collective_steps, got.gpus_per_node) == (os.cpu_count(), "ring", hw.gpus_per_node)
     assert "--repeat 3" in got.source
+    idle_free = [p | {"shared_idle": 0.0} for p in passes]  # no core ever idle: the field's default, left out
+    entry = hardware_probe.median_entry(idle_free, hw, "cpu-busy")["cpu-busy"]
+    assert "shared_idle" not in entry and "shared_core_factor" in entry
     tp2 = load_recipe(str(REPO / "recipes/3d.yaml"), ["parallelism.dp=1", "parallelism.pp=1"])
     slower = dict(hardware_probe.median_entry(passes, hw, "cpu-here")["cpu-here"])
     slower.update({f: getattr(hw, f) for f in ("bf16_tflops", "fp8_tflops", "fp32_tflops", "hbm_gbps")})  # same compute
