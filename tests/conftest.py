@@ -107,6 +107,7 @@ QUICK_FILES = {
     "test_plan_accuracy.py",
     "test_plan_simulate.py",
     "test_hardware_file.py",
+    "test_optim.py",
     "test_prepare.py",
     "test_chat.py",
     "test_recipe_errors.py",

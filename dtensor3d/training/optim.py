@@ -29,7 +29,11 @@ def build_optimizer(model_parts: list[nn.Module], opt) -> torch.optim.Optimizer:
 def adamw(params: list[torch.Tensor], opt) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only, one param group per (decay, mesh). The moments
     in optimizer.state_dtype: torch's AdamW (float32), or torchao's bf16 / 8-bit state AdamW
-    (training/optim_lowp.py)."""
+    (training/optim_lowp.py). DTensor parameters (tp, FSDP) take torch's foreach kernels on
+    every device: torch picks them on CUDA only, and on CPU its per-parameter loop sends each
+    of ~7 ops a parameter through DTensor's Python dispatch (41 against 16 ms a step for the
+    peers model's 39 parameters on a one-rank mesh, bench/peers.py's shape). Plain CPU tensors keep the loop, faster there
+    (16 against 21 ms). Both paths give the same bits (tests/training/test_optim.py)."""
     groups: dict[tuple, list] = {}
     for p in params:
         groups.setdefault((p.ndim >= 2, _mesh_key(p)), []).append(p)
@@ -40,7 +44,8 @@ def adamw(params: list[torch.Tensor], opt) -> torch.optim.Optimizer:
         from .optim_lowp import low_precision_adamw
 
         return low_precision_adamw(param_groups, opt)
-    return torch.optim.AdamW(param_groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    foreach = True if any(hasattr(p, "device_mesh") for p in params) else None  # None: torch's choice
+    return torch.optim.AdamW(param_groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, foreach=foreach)
 
 
 def replication(p: torch.Tensor, world_size: int, pp: int) -> int:
