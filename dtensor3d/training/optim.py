@@ -32,8 +32,9 @@ def adamw(params: list[torch.Tensor], opt) -> torch.optim.Optimizer:
     (training/optim_lowp.py). DTensor parameters (tp, FSDP) take torch's foreach kernels on
     every device: torch picks them on CUDA only, and on CPU its per-parameter loop sends each
     of ~7 ops a parameter through DTensor's Python dispatch (41 against 16 ms a step for the
-    peers model's 39 parameters on a one-rank mesh, bench/peers.py's shape). Plain CPU tensors keep the loop, faster there
-    (16 against 21 ms). Both paths give the same bits (tests/training/test_optim.py)."""
+    peers model's 39 parameters on a one-rank mesh, bench/peers.py's shape). Plain CPU tensors
+    keep the loop, faster there (16 against 21 ms). Both paths give the same bits
+    (tests/training/test_optim.py)."""
     groups: dict[tuple, list] = {}
     for p in params:
         groups.setdefault((p.ndim >= 2, _mesh_key(p)), []).append(p)
