@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtensor3d.config.load import load_recipe
+from dtensor3d.parallel.shards import full_tensor
 from dtensor3d.training.optim import adamw
 
 LRS = (1e-2, 7e-3, 3e-3, 1e-3)
@@ -48,14 +49,9 @@ def _same_as_the_loop(mesh=None) -> None:
     _steps(ours_params, ours)
     _steps(ref_params, ref)
     for p, q in zip(ours_params, ref_params, strict=True):
-        assert torch.equal(
-            p.detach().full_tensor() if mesh else p.detach(), q.detach().full_tensor() if mesh else q.detach()
-        )
+        assert torch.equal(full_tensor(p), full_tensor(q))
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            a, b = ours.state[p][key], ref.state[q][key]
-            assert torch.equal(
-                a.full_tensor() if hasattr(a, "full_tensor") else a, b.full_tensor() if hasattr(b, "full_tensor") else b
-            )
+            assert torch.equal(full_tensor(ours.state[p][key]), full_tensor(ref.state[q][key]))
     decays = {len(g["params"]): g["weight_decay"] for g in ours.param_groups}
     assert decays == {2: cfg.weight_decay, 1: 0.0}  # the two matrices decay, the bias does not
 
